@@ -1,0 +1,75 @@
+"""FSDP2: every transformer block, then the root, sharded with ``fully_shard`` over the data-parallel mesh.
+
+The shard mesh is ``dp_shard`` flattened with ``cp`` when context parallel is on (the ranks of one
+context-parallel group hold different tokens of the same samples, so their gradients are averaged
+like those of different samples), and ``dp_replicate`` adds an outer replica dimension (HSDP).
+"""
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from titan_core import ConfigError, Declaration, hookimpl
+
+STAGE = 600  # last: it shards whatever the transforms before it (TP, AC, compile) produced
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RESHARD = ("default", "always", "never")
+
+
+@hookimpl
+def declare(plugin_config):
+    mesh = {"dp_shard": plugin_config.degree}
+    if plugin_config.replicate_degree != 1:
+        mesh["dp_replicate"] = plugin_config.replicate_degree
+    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({"data_parallel_sharding"}))
+
+
+@hookimpl
+def validate(plugin_config):
+    for field in ("param_dtype", "reduce_dtype"):
+        if plugin_config[field] not in DTYPES:
+            raise ConfigError(f"plugins.fsdp.{field}", f"unknown dtype '{plugin_config[field]}'",
+                              f"use one of {', '.join(DTYPES)}")
+    if plugin_config.reshard_after_forward not in RESHARD:
+        raise ConfigError("plugins.fsdp.reshard_after_forward", f"unknown policy '{plugin_config.reshard_after_forward}'",
+                          f"use one of {', '.join(RESHARD)}")
+    if plugin_config.prefetch < 0:
+        raise ConfigError("plugins.fsdp.prefetch", f"{plugin_config.prefetch} is negative", "use 0 or more blocks")
+
+
+@hookimpl
+def apply_parallelism(model_parts, mesh, plugin_config):
+    dp_mesh = mesh.submesh("dp_replicate", ("dp_shard", "cp"))
+    policy = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[plugin_config.param_dtype],
+                                       reduce_dtype=DTYPES[plugin_config.reduce_dtype]),
+        # Pinned memory needs an accelerator; on a CPU-only job plain memory is the only kind.
+        offload_policy=(CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if plugin_config.cpu_offload
+                        else OffloadPolicy()),
+    )
+    pipelined = len(model_parts) > 1 or "pp" in mesh.shape
+    for part in model_parts:
+        blocks = list(part.layers.values())
+        for i, block in enumerate(blocks):
+            fully_shard(block, reshard_after_forward=_reshard(plugin_config, last=i == len(blocks) - 1,
+                                                              pipelined=pipelined), **policy)
+        # The root's parameters are needed again right away by backward: keep them gathered.
+        fully_shard(part, reshard_after_forward=plugin_config.reshard_after_forward == "always", **policy)
+        _prefetch(blocks, plugin_config.prefetch)
+
+
+def _reshard(plugin_config, last: bool, pipelined: bool) -> bool:
+    policy = plugin_config.reshard_after_forward
+    if policy != "default":
+        return policy == "always"
+    # The last block's backward starts right after forward, and pipeline schedules run several
+    # micro-batches' forwards before their backwards: resharding there only repeats all-gathers.
+    return not (last or pipelined)
+
+
+def _prefetch(blocks, depth: int) -> None:
+    if depth == 0:
+        return
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])

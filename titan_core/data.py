@@ -1,0 +1,195 @@
+"""Tokenizers, documents and the packed loader of training batches.
+
+Every data-parallel rank reads the same global stream of documents, packs it into the same global
+batches and keeps its own rows. The loader's position is therefore a property of the stream, not of
+the data-parallel degree: a checkpoint taken at one degree resumes at another without skipping or
+repeating a sample, and a sharded run sees exactly the batches of a single process. The price is that
+every rank tokenizes every document, which is small next to a training step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from importlib.resources import files
+from pathlib import Path
+
+import torch
+
+from titan_core.errors import ConfigError
+
+ASSETS = files("titan_core") / "assets"
+FORMATS = {".json": "json", ".jsonl": "json", ".gz": "json", ".parquet": "parquet", ".txt": "text",
+           ".csv": "csv"}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, plus begin/end of text: needs no file. 264 entries (a multiple of 8)."""
+
+    vocab_size = 264
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+
+    def __init__(self, path: Path, bos_token: str, eos_token: str):
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size()
+        self.bos_id = self._special_id(bos_token, "bos_token")
+        self.eos_id = self._special_id(eos_token, "eos_token")
+
+    def _special_id(self, token: str, field: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ConfigError(f"tokenizer.{field}", f"'{token}' is not in the tokenizer's vocabulary",
+                              f"set tokenizer.{field} to the tokenizer's own special token")
+        return token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode(list(ids))
+
+
+def load_tokenizer(config) -> ByteTokenizer | FileTokenizer:
+    """``tokenizer.path``: ``builtin`` (shipped, 2048 entries), ``bytes``, or a tokenizer.json / its folder."""
+    path = config.path
+    if path == "bytes":
+        return ByteTokenizer()
+    file = Path(str(ASSETS / "tokenizer.json")) if path == "builtin" else Path(path).expanduser()
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    try:
+        return FileTokenizer(file, config.bos_token, config.eos_token)
+    except ConfigError:
+        raise
+    except Exception as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError("tokenizer.path", f"cannot read a tokenizer from {file} ({reason})",
+                          "point it at a Hugging Face tokenizer.json (or its folder), or use builtin or bytes") from None
+
+
+def document_opener(config) -> Callable[[], Iterable[str]]:
+    """A function that opens the document stream of ``config.data`` from the start, as text strings.
+
+    ``data.source``: ``builtin`` (the shipped corpus), ``local`` (``data.path``: a json/jsonl/parquet/
+    text/csv file or a folder of them, read with HF ``datasets``) or ``hub`` (``data.path`` is a
+    dataset name, streamed; needs network or a populated HF cache).
+    """
+    from datasets import load_dataset
+
+    field = config.text_field
+    if config.source == "hub":
+        def open_hub():
+            stream = load_dataset(config.path, name=config.get("name"), split=config.split, streaming=True)
+            return (row[field] for row in stream)
+        return open_hub
+
+    data_files = _local_files(config)
+    fmt = FORMATS[Path(data_files[0]).suffix]
+
+    def open_local():
+        stream = load_dataset(fmt, data_files=data_files, split="train", streaming=True)
+        return (row[field] for row in stream)
+    return open_local
+
+
+def check_documents(config) -> None:
+    """Fail before launch when the configured data has no document with text in ``data.text_field``."""
+    if config.source == "hub":
+        return  # opening a hub dataset needs the network; the workers report what they find
+    try:
+        first = next((text for text in document_opener(config)() if text), None)
+    except KeyError:
+        raise ConfigError("data.text_field", f"the documents have no field '{config.text_field}'",
+                          "set data.text_field to the column that holds the text") from None
+    if first is None:
+        raise ConfigError("data.path", f"{config.path} holds no non-empty document",
+                          "point data.path at files with text, or use data.source=builtin")
+
+
+def _local_files(config) -> list[str]:
+    if config.source == "builtin":
+        return [str(ASSETS / "corpus.jsonl.gz")]
+    if config.source != "local":
+        raise ConfigError("data.source", f"unknown source '{config.source}'", "use builtin, local or hub")
+    if not config.path:
+        raise ConfigError("data.path", "is empty but data.source=local", "set data.path to a file or folder")
+    path = Path(config.path).expanduser()
+    if not path.exists():
+        raise ConfigError("data.path", f"{path} does not exist", "point data.path at an existing file or folder")
+    found = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file() and p.suffix in FORMATS)
+    if not found:
+        raise ConfigError("data.path", f"{path} holds no {'/'.join(sorted(FORMATS))} file",
+                          "point data.path at json, jsonl, parquet, text or csv files")
+    if {FORMATS[p.suffix] for p in found} != {FORMATS[found[0].suffix]}:
+        raise ConfigError("data.path", f"{path} mixes file formats", "keep one format per data.path")
+    if all(p.stat().st_size == 0 for p in found):
+        raise ConfigError("data.path", f"{path} is empty", "point data.path at files with text")
+    return [str(p) for p in found]
+
+
+class PackedLoader:
+    """Global batches of ``seq_len``-token rows cut from the packed stream ``BOS doc EOS BOS doc EOS ...``.
+
+    Yields this rank's ``(inputs, labels)``: rows ``dp_rank * local : (dp_rank + 1) * local`` of each
+    global batch, labels being the inputs shifted by one token. At the end of the documents it starts
+    the next epoch. ``state_dict()`` holds the position in the stream; it does not depend on dp_size.
+    """
+
+    def __init__(self, open_documents: Callable[[], Iterable[str]], tokenizer, seq_len: int,
+                 global_batch_size: int, dp_rank: int, dp_size: int):
+        self.open_documents = open_documents
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.rows = slice(dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size)
+        self.epoch = 0
+        self.documents_read = 0
+        self.buffer: list[int] = []
+        self._documents: Iterator[str] | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = self.global_batch_size * (self.seq_len + 1)
+        while len(self.buffer) < needed:
+            self.buffer.extend(self._next_document())
+        batch = torch.tensor(self.buffer[:needed], dtype=torch.long).view(self.global_batch_size, self.seq_len + 1)
+        del self.buffer[:needed]
+        mine = batch[self.rows]
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    def _next_document(self) -> list[int]:
+        for attempt in range(2):
+            if self._documents is None:
+                self._documents = itertools.islice(iter(self.open_documents()), self.documents_read, None)
+            for text in self._documents:
+                self.documents_read += 1
+                if text:
+                    return [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
+            if attempt == 0 and self.documents_read > 0:
+                self.epoch, self.documents_read, self._documents = self.epoch + 1, 0, None
+        raise RuntimeError("the training data holds no non-empty document")
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "documents_read": self.documents_read,
+                "buffer": torch.tensor(self.buffer, dtype=torch.long)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.documents_read = int(state["documents_read"])
+        self.buffer = [int(t) for t in state["buffer"]]
+        self._documents = None

@@ -1,0 +1,48 @@
+"""The core's own answers to the builder hooks; any enabled plugin that implements one replaces it."""
+
+from __future__ import annotations
+
+import torch
+
+from titan_core.data import PackedLoader, document_opener
+from titan_core.hookspecs import hookimpl
+from titan_core.model import Transformer
+
+
+@hookimpl(trylast=True)
+def build_model(model_args):
+    return Transformer(model_args)
+
+
+class ForwardBackward:
+    """One model part, one micro-batch: forward, loss, backward of the loss scaled for accumulation."""
+
+    def __init__(self, model, loss_fn, grad_accum_steps: int):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.grad_accum_steps = grad_accum_steps
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self.model(inputs), labels)
+        (loss / self.grad_accum_steps).backward()
+        return loss.detach()
+
+
+@hookimpl(trylast=True)
+def build_schedule(model_parts, config, loss_fn):
+    if len(model_parts) != 1:
+        raise RuntimeError(f"{len(model_parts)} model parts but no plugin builds a schedule for them")
+    return ForwardBackward(model_parts[0], loss_fn, config.training.grad_accum_steps)
+
+
+@hookimpl(trylast=True)
+def build_optimizer(model_parts, config):
+    opt = config.optimizer
+    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+@hookimpl(trylast=True)
+def build_dataloader(config, tokenizer, dp_rank, dp_size):
+    return PackedLoader(document_opener(config.data), tokenizer, config.training.seq_len,
+                        config.training.global_batch_size, dp_rank, dp_size)

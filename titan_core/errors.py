@@ -1,0 +1,12 @@
+"""The one error type users see for bad input."""
+
+
+class ConfigError(Exception):
+    """A bad setting, reported as one line: the field, what is wrong with it, and how to fix it.
+
+    The launcher prints it and exits with code 2 before any worker starts.
+    """
+
+    def __init__(self, field: str, problem: str, fix: str):
+        super().__init__(f"{field}: {problem}; fix: {fix}")
+        self.field = field

@@ -1,0 +1,57 @@
+"""The device mesh every plugin shares, built by the core from the plan's mesh shape."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class ParallelMesh:
+    """The named N-D device mesh of a job, with flattened views made on demand.
+
+    Only the dimensions some plugin declared exist. ``submesh("dp_replicate", ("dp_shard", "cp"))``
+    gives a mesh whose first dimension is dp_replicate and whose second is dp_shard and cp flattened
+    into one; dimensions the plan does not have are left out, and None comes back when none remain.
+    """
+
+    def __init__(self, shape: Mapping[str, int], device_type: str):
+        self.shape = dict(shape)
+        self.device_type = device_type
+        self._root: DeviceMesh | None = (
+            init_device_mesh(device_type, tuple(self.shape.values()), mesh_dim_names=tuple(self.shape))
+            if self.shape else None)
+
+    def degree(self, dim: str) -> int:
+        return self.shape.get(dim, 1)
+
+    def submesh(self, *groups: str | tuple[str, ...]) -> DeviceMesh | None:
+        names = []
+        for group in groups:
+            dims = tuple(d for d in ((group,) if isinstance(group, str) else group) if d in self.shape)
+            if len(dims) > 1:
+                self._root[dims]._flatten("_".join(dims))  # idempotent: the root keeps the view
+            if dims:
+                names.append("_".join(dims))
+        if not names:
+            return None
+        with warnings.catch_warnings():
+            # Slicing a flattened dimension off the root is what makes 2-D views such as
+            # (dp_replicate, dp_shard_cp) possible; torch warns it may change after 2.13.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self._root[tuple(names)]
+
+    def local_rank(self, *dims: str) -> int:
+        """This rank's coordinate along ``dims`` taken together (0 when none of them exist)."""
+        mesh = self.submesh(tuple(dims))
+        return 0 if mesh is None else mesh.get_local_rank()
+
+
+def device_for_rank(local_rank: int) -> torch.device:
+    """CUDA device of this local rank when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

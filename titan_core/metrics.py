@@ -1,0 +1,115 @@
+"""What a step reports: loss, grad norm, throughput, TFLOPS, MFU, memory, ETA.
+
+Rank 0 prints a line every ``metrics.log_every`` steps and writes the same values to
+``metrics.jsonl`` and TensorBoard (``tb/``) in the run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("titan_core")
+
+# Dense bf16 peak of common training GPUs, by a substring of the device name.
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "MI300X": 1307.0}
+
+
+def peak_tflops(configured: float | None, device: torch.device) -> tuple[float | None, str]:
+    """Peak TFLOPS of one device and where the figure comes from."""
+    if configured:
+        return float(configured), "configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops, f"{name} datasheet"
+        return None, f"unknown GPU {name}: set metrics.peak_tflops"
+    return measured_matmul_tflops(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
+
+
+def measured_matmul_tflops(size: int = 1024, seconds: float = 0.3) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up: first call pays for thread pool start-up
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        runs += 1
+    return 2 * size**3 * runs / (time.perf_counter() - start) / 1e12
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated CUDA memory, or resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class MetricsLogger:
+    def __init__(self, config, run_dir: Path, rank: int, world_size: int, device: torch.device,
+                 flops_per_token: float, first_step: int):
+        self.every = config.metrics.log_every
+        self.steps = config.training.steps
+        self.tokens_per_step = config.training.global_batch_size * config.training.seq_len
+        self.world_size = world_size
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.writes = rank == 0
+        self.peak, source = peak_tflops(config.metrics.peak_tflops, device)
+        if self.writes:
+            log.info("peak %s TFLOPS per device (%s); %.3g training FLOPs per token",
+                     f"{self.peak:.3g}" if self.peak else "unknown", source, flops_per_token)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a") if self.writes else None
+        self.tensorboard = None
+        if self.writes and config.metrics.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(str(run_dir / "tb"))
+        self.first_step = first_step
+        self.start = self.last = time.perf_counter()
+        self.last_step = first_step
+
+    def step(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
+        """Record ``step``; returns the logged values (empty on steps that are not logged)."""
+        if step % self.every and step != self.steps:
+            return {}
+        now = time.perf_counter()
+        step_time = (now - self.last) / (step - self.last_step)
+        tokens_per_s = self.tokens_per_step / step_time
+        tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+        metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
+                   "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+                   "memory_gib": memory_gib(self.device)}
+        if self.peak:
+            metrics["mfu"] = tflops / self.peak
+        self.last, self.last_step = now, step
+        if self.writes:
+            self._write(metrics, eta_s=(now - self.start) / (step - self.first_step) * (self.steps - step))
+        return metrics
+
+    def _write(self, m: dict, eta_s: float) -> None:
+        mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
+        log.info("step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.0f tok/s | %.3g TFLOPS%s | mem %.2f GiB | eta %s",
+                 m["step"], self.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
+                 m["tflops_per_device"], mfu, m["memory_gib"], _duration(eta_s))
+        self.jsonl.write(json.dumps(m) + "\n")
+        self.jsonl.flush()
+        if self.tensorboard is not None:
+            for key, value in m.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(key, value, m["step"])
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s"

@@ -1,0 +1,218 @@
+"""Llama 3 / 3.1: RoPE (with the 3.1 frequency scaling), grouped-query attention, SwiGLU, RMSNorm.
+
+Built on the meta device, parallelized there, then materialized with ``to_empty`` and ``init_weights``.
+Blocks live in a ModuleDict keyed by layer index so that a pipeline stage that deletes the others keeps
+the same parameter names as the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_core.errors import ConfigError
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: as many as n_heads (no grouping)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 context extension; None for plain RoPE.
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+def llama_args(model_config, tokenizer_vocab_size: int, seq_len: int) -> LlamaArgs:
+    """The model arguments of ``config.model``, checked: shapes that divide, a vocabulary that fits."""
+    if "max_seq_len" in model_config:
+        raise ConfigError("model.max_seq_len", "is derived from training.seq_len", "set training.seq_len instead")
+    fields = {k: v for k, v in model_config.items() if k != "name" and k in LlamaArgs.__dataclass_fields__}
+    unknown = sorted(set(model_config) - set(fields) - {"name", "vocab_size"})
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}", "is not a Llama argument",
+                          f"use one of {', '.join(sorted(LlamaArgs.__dataclass_fields__))}")
+    fields["vocab_size"] = model_config.get("vocab_size") or tokenizer_vocab_size
+    args = LlamaArgs(**fields, max_seq_len=seq_len)
+    if args.dim % args.n_heads:
+        raise ConfigError("model.n_heads", f"dim {args.dim} is not divisible by n_heads {args.n_heads}",
+                          "choose n_heads dividing model.dim")
+    if args.head_dim % 2:
+        raise ConfigError("model.n_heads", f"head dim {args.head_dim} is odd and RoPE rotates pairs",
+                          "choose n_heads so that dim / n_heads is even")
+    if args.n_heads % args.kv_heads:
+        raise ConfigError("model.n_kv_heads", f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}",
+                          "choose n_kv_heads dividing model.n_heads")
+    if args.vocab_size < tokenizer_vocab_size:
+        raise ConfigError("model.vocab_size", f"{args.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}",
+                          "set model.vocab_size=null to take the tokenizer's size, or a larger value")
+    return args
+
+
+def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
+    """Rotation angles' cos and sin per position and frequency: shape (max_seq_len, head_dim // 2, 2)."""
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    if args.rope_scaling_factor is not None:
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        low_wavelen = args.rope_original_max_positions / args.rope_low_freq_factor
+        high_wavelen = args.rope_original_max_positions / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        smooth = (args.rope_original_max_positions / wavelen - args.rope_low_freq_factor) / (
+            args.rope_high_freq_factor - args.rope_low_freq_factor)
+        blended = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+        freqs = torch.where(wavelen > low_wavelen, freqs / args.rope_scaling_factor,
+                            torch.where(wavelen < high_wavelen, freqs, blended))
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x (batch, seq, heads, head_dim) by the angles in rope (seq, head_dim//2, 2)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds only its share of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        k = k.repeat_interleave(self.n_rep, dim=2)
+        v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids in, next-token logits out. A pipeline stage may hold None for the parts it lacks."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: it is derived from args, and checkpoints should hold only learned state.
+        self.register_buffer("rope", rope_frequencies(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope[: h.shape[1]]
+        for block in self.layers.values():
+            h = block(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Give every parameter its initial value, the same whatever the sharding or the wrappers.
+
+        Each parameter is drawn whole from a generator seeded by ``seed`` and its canonical name, and
+        each rank keeps its own shard of it, so a sharded run starts exactly where a single process does.
+        """
+        self.rope = rope_frequencies(self.args).to(self.rope.device)
+        for name, param in self.named_parameters():
+            name = canonical_name(name)
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                full.fill_(1.0)
+            elif name == "tok_embeddings.weight":
+                full.normal_(0.0, 1.0, generator=generator)
+            elif name == "output.weight":
+                full.normal_(0.0, self.args.dim ** -0.5, generator=generator)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                # Residual-stream writers are scaled down with depth so the stream's variance stays put.
+                full.normal_(0.0, 0.02 / math.sqrt(2 * self.args.n_layers), generator=generator)
+            else:
+                full.normal_(0.0, 0.02, generator=generator)
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(full)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per non-embedding weight plus the attention score and value matmuls
+        (counted without the causal half, as the MFU figures of other trainers are)."""
+        a = self.args
+        n_dense = a.n_layers * (2 * a.dim * a.dim + 2 * a.dim * a.kv_heads * a.head_dim
+                                + 3 * a.dim * a.ffn_hidden_dim) + a.dim * a.vocab_size
+        return 6 * n_dense + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+
+
+# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names.
+_WRAPPER_PREFIXES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def canonical_name(name: str) -> str:
+    return _WRAPPER_PREFIXES.sub("", name)

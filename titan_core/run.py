@@ -1,0 +1,153 @@
+"""``python -m titan_core.run [overrides]``: compose the config, check the plan, then train.
+
+Everything that can be wrong with the input is found here, in the launching process, and reported as
+one line with exit code 2 before any worker starts. Then the job runs in this process (one rank, or
+each rank under torchrun), or in ``world_size`` local workers started with torch's elastic launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from titan_core.data import check_documents, load_tokenizer
+from titan_core.errors import ConfigError
+from titan_core.model import llama_args
+from titan_core.plan import Plan, build_plan, check_plugin_names, plugin_manager
+
+EXIT_BAD_INPUT = 2
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def default_run_dir() -> str:
+    """Where a run writes. Every torchrun rank must agree, so it derives from the rendezvous there."""
+    if under_torchrun():
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        if run_id == "none":  # torchrun without --rdzv-id
+            run_id = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
+        return f"outputs/torchrun-{run_id}"
+    return datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+
+
+def check_job(config, plan: Plan) -> None:
+    """The core's own checks of the job; the plugins' ran in build_plan."""
+    training = config.training
+    for field in ("steps", "global_batch_size", "seq_len", "grad_accum_steps"):
+        if not isinstance(training[field], int) or training[field] < 1:
+            raise ConfigError(f"training.{field}", f"{training[field]!r} is not a positive integer",
+                              "set a positive integer")
+    split = plan.dp_size * training.grad_accum_steps
+    if training.global_batch_size % split:
+        raise ConfigError("training.global_batch_size",
+                          f"{training.global_batch_size} sequences do not split over {plan.dp_size} data-parallel "
+                          f"rank(s) x {training.grad_accum_steps} micro-batch(es)",
+                          f"use a multiple of {split}")
+    if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
+        raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
+                          "use cosine, linear or none")
+    tokenizer = load_tokenizer(config.tokenizer)
+    llama_args(config.model, tokenizer.vocab_size, training.seq_len)
+    check_documents(config.data)
+
+
+def prepare(config) -> Plan:
+    """Validate everything and return the plan; raises ConfigError on bad input."""
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    plan = build_plan(config, plugin_manager(config), world_size)
+    check_job(config, plan)
+    return plan
+
+
+@hydra.main(config_path="pkg://titan_core.conf", config_name="config", version_base=None)
+def hydra_main(config) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        plan = prepare(config)
+    except ConfigError as error:
+        print(f"titan-core: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    config = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(plan.describe(), flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(config, run_dir / "config.yaml")
+
+    from titan_core import train
+
+    if under_torchrun() or plan.world_size == 1:
+        train.train(config, run_dir)
+    else:
+        launch_local_workers(run_dir / "config.yaml", run_dir, plan.world_size, config.launch.max_restarts)
+
+
+def launch_local_workers(config_path: Path, run_dir: Path, world_size: int, max_restarts: int) -> None:
+    """Start ``world_size`` workers on this machine with torch's elastic agent.
+
+    The rendezvous listens on a free port chosen by the OS (a fixed port collides with any other
+    job on the machine) under a fresh run id.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from titan_core.train import worker_main
+
+    launch_config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")))
+    try:
+        elastic_launch(launch_config, worker_main)(str(config_path), str(run_dir))
+    except ChildFailedError as error:
+        for rank, failure in sorted(error.failures.items()):
+            print(f"titan-core: worker rank {rank} failed (exit code {failure.exitcode}); "
+                  f"see {run_dir / 'logs' / f'rank{rank}.log'}", file=sys.stderr)
+            if failure.message:
+                print(f"  {str(failure.message).strip().splitlines()[-1]}", file=sys.stderr)
+        sys.exit(1)
+
+
+def requested_plugins(argv: list[str]) -> list[str]:
+    """Plugin names in ``plugins=`` overrides of the command line, sweeps included."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except Exception:
+        return []  # Hydra reports malformed overrides itself
+
+    def names(value):
+        if isinstance(value, str):
+            return [value]
+        items = value if isinstance(value, list) else getattr(value, "list", [])
+        return [n for item in items for n in names(item)]
+    return [n for o in overrides if o.key_or_group == "plugins" for n in names(o.value())]
+
+
+def main() -> None:
+    try:
+        check_plugin_names(requested_plugins(sys.argv[1:]))
+    except ConfigError as error:
+        print(f"titan-core: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        # One rank writes Hydra's own files; the others would race on them.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    hydra_main()
+
+
+OmegaConf.register_new_resolver("titan_run_dir", default_run_dir, replace=True)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The parity harness: prove a plugin set trains exactly like one process.
+
+A run of a tiny Llama under some plugins on a local gloo world is compared with a single-process run
+of the same model, init and global batches: loss at every step, and every parameter at the end. Both
+runs go through the real command line (``python -m titan_core.run``), so the check covers planning,
+launching and the training loop too.
+
+It is a pytest plugin (entry point ``pytest11``), so a third-party plugin's tests get the fixtures by
+installing titan-core::
+
+    def test_my_plugin(titan_parity):
+        report = titan_parity(["+plugins=[fsdp,myplugin]", "plugins.fsdp.degree=2"])
+        assert report.max_loss_diff <= 1e-5
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# A model and batch small enough that four processes run five steps in seconds on two cores.
+TINY = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8",
+        "training.steps=5", "optimizer.lr=1e-3", "optimizer.weight_decay=0.0", "lr_scheduler.warmup_steps=1",
+        "metrics.log_every=1", "metrics.tensorboard=false", "metrics.peak_tflops=1", "testing.save_final_weights=true")
+
+
+@dataclass
+class JobResult:
+    run_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.metrics]
+
+    def final_weights(self) -> dict:
+        """Full parameters gathered by every rank, merged; ranks holding the same tensor must agree."""
+        import torch
+
+        merged: dict = {}
+        for file in sorted((self.run_dir / "final_weights").glob("rank*.pt")):
+            for name, tensor in torch.load(file, weights_only=True).items():
+                if name in merged and not torch.equal(merged[name], tensor):
+                    raise AssertionError(f"{file.name} disagrees with another rank on {name}")
+                merged[name] = tensor
+        if not merged:
+            raise AssertionError(f"no final weights in {self.run_dir}; was testing.save_final_weights set?")
+        return merged
+
+
+def run_job(overrides, run_dir: Path, *, expect_success: bool = True, env: dict | None = None,
+            timeout: float = 900) -> JobResult:
+    """Run ``python -m titan_core.run`` with ``overrides`` writing into ``run_dir``."""
+    command = [sys.executable, "-m", "titan_core.run", *overrides, f"hydra.run.dir={run_dir}"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                               env={**os.environ, **(env or {})})
+    result = JobResult(Path(run_dir), completed.returncode, completed.stdout, completed.stderr)
+    if expect_success and completed.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {completed.returncode}\n"
+                             f"--- stdout\n{completed.stdout[-3000:]}\n--- stderr\n{completed.stderr[-5000:]}")
+    return result
+
+
+@dataclass
+class ParityReport:
+    losses: list[float]
+    reference_losses: list[float]
+    max_loss_diff: float
+    max_param_diff: float
+    worst_param: str
+
+    def __str__(self) -> str:
+        return (f"max loss diff {self.max_loss_diff:.2e} over {len(self.losses)} steps; "
+                f"max param diff {self.max_param_diff:.2e} ({self.worst_param})")
+
+
+def compare(result: JobResult, reference: JobResult) -> ParityReport:
+    """Per-step loss and final-parameter differences of ``result`` against ``reference``."""
+    if len(result.losses) != len(reference.losses) or not result.losses:
+        raise AssertionError(f"{len(result.losses)} logged steps vs {len(reference.losses)} in the reference")
+    loss_diff = max(abs(a - b) for a, b in zip(result.losses, reference.losses))
+    weights, expected = result.final_weights(), reference.final_weights()
+    if weights.keys() != expected.keys():
+        raise AssertionError(f"parameter names differ: {sorted(weights.keys() ^ expected.keys())[:5]}")
+    diffs = {name: (weights[name].float() - expected[name].float()).abs().max().item() for name in expected}
+    worst = max(diffs, key=diffs.get)
+    return ParityReport(result.losses, reference.losses, loss_diff, diffs[worst], worst)
+
+
+@pytest.fixture(scope="session")
+def titan_reference(tmp_path_factory):
+    """``titan_reference(extra_overrides)`` -> the single-process tiny run, computed once per session."""
+    cache: dict[tuple, JobResult] = {}
+
+    def reference(extra=()) -> JobResult:
+        key = tuple(extra)
+        if key not in cache:
+            cache[key] = run_job([*TINY, *key], tmp_path_factory.mktemp("reference"))
+        return cache[key]
+    return reference
+
+
+@pytest.fixture
+def titan_parity(titan_reference, tmp_path):
+    """``titan_parity(overrides, reference_overrides=())`` runs the tiny model with ``overrides`` and
+    returns its :class:`ParityReport` against the single-process reference."""
+
+    def parity(overrides, reference_overrides=()) -> ParityReport:
+        result = run_job([*TINY, *reference_overrides, *overrides], tmp_path / "run")
+        report = compare(result, titan_reference(reference_overrides))
+        print(f"parity {' '.join(overrides)}: {report}")
+        return report
+    return parity

@@ -1,0 +1,211 @@
+"""The worker: build the model through the plugins' hooks, then run the training loop.
+
+Runs in every rank: in the launching process itself for a single-process job, in the workers that
+the launcher starts, or in each rank of a torchrun job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+
+from titan_core.data import load_tokenizer
+from titan_core.mesh import ParallelMesh, device_for_rank
+from titan_core.metrics import MetricsLogger
+from titan_core.model import llama_args
+from titan_core.plan import Plan, build_plan, call_plugin, plugin_manager
+
+log = logging.getLogger("titan_core")
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint must hold to resume exactly; plugins read and restore it in place."""
+
+    model_parts: list[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    dataloader: object
+    step: int = 0
+
+
+def worker_main(config_path: str, run_dir: str) -> None:
+    """Entry point of a launched worker (module-level so that spawned interpreters can import it)."""
+    train(OmegaConf.load(config_path), Path(run_dir))
+
+
+def train(config, run_dir: Path) -> None:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)))
+    _configure_logging(run_dir, rank)
+    if device.type == "cpu" and world_size > 1:
+        torch.set_num_threads(config.launch.cpu_threads_per_worker)
+    backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:  # a single process started without a launcher still gets a (one-rank) world
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pm = plugin_manager(config)
+        plan = build_plan(config, pm, world_size)
+        _train(config, run_dir, pm, plan, device, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: int) -> None:
+    training = config.training
+    torch.manual_seed(training.seed)
+    if training.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    mesh = ParallelMesh(plan.mesh_shape, device.type)
+
+    tokenizer = load_tokenizer(config.tokenizer)
+    args = llama_args(config.model, tokenizer.vocab_size, training.seq_len)
+    with torch.device("meta"):
+        model = pm.hook.build_model(config=config, model_args=args)
+    pm.hook.convert_float8(model=model, config=config)
+    model_parts = [model]
+    for plugin in plan.plugins:
+        if plugin.declaration.stage is not None:
+            model_parts = call_plugin(pm, "apply_parallelism", plugin.name, model_parts=model_parts, mesh=mesh,
+                                      config=config, plugin_config=config.plugins[plugin.name]) or model_parts
+    for part in model_parts:
+        part.to_empty(device=device)
+        part.init_weights(training.seed)
+
+    schedule = pm.hook.build_schedule(model_parts=model_parts, mesh=mesh, config=config, loss_fn=cross_entropy_loss)
+    optimizer = pm.hook.build_optimizer(model_parts=model_parts, config=config)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config))
+    dp_rank = mesh.local_rank("dp_replicate", "dp_shard")
+    dataloader = pm.hook.build_dataloader(config=config, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=plan.dp_size)
+    state = TrainState(model_parts, optimizer, lr_scheduler, dataloader)
+    state.step = pm.hook.load_checkpoint(state=state, config=config) or 0
+    if state.step:
+        log.info("resumed after step %d", state.step)
+
+    metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
+                            model_parts[0].flops_per_token(training.seq_len), first_step=state.step)
+    while state.step < training.steps:
+        state.step += 1
+        inputs, labels = next(dataloader)
+        optimizer.zero_grad()
+        losses = []
+        for micro_inputs, micro_labels in zip(inputs.chunk(training.grad_accum_steps),
+                                              labels.chunk(training.grad_accum_steps)):
+            micro_inputs, micro_labels = micro_inputs.to(device), micro_labels.to(device)
+            with contextlib.ExitStack() as contexts:
+                for context in pm.hook.batch_context(inputs=micro_inputs, labels=micro_labels,
+                                                     model_parts=model_parts, mesh=mesh, config=config):
+                    contexts.enter_context(context)
+                loss = schedule.run(micro_inputs, micro_labels)
+            if loss is not None:
+                losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+        loss = global_mean_loss(losses, device)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {state.step}: stopped before the optimizer step, "
+                                     "so no checkpoint holds these weights; lower optimizer.lr or check the data")
+        grad_norm = clip_grad_norm_(model_parts, training.max_norm, mesh)
+        optimizer.step()
+        lr = lr_scheduler.get_last_lr()[0]
+        lr_scheduler.step()
+        pm.hook.after_optimizer_step(model_parts=model_parts, config=config, step=state.step)
+        logged = metrics.step(state.step, loss, grad_norm, lr)
+        pm.hook.on_step_end(step=state.step, metrics=logged, config=config)
+        pm.hook.save_checkpoint(state=state, step=state.step, config=config, final=state.step == training.steps)
+    metrics.close()
+    pm.hook.on_train_end(state=state, config=config)
+    if config.testing.save_final_weights:
+        save_full_weights(model_parts, run_dir / "final_weights" / f"rank{rank}.pt")
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def global_mean_loss(losses: list[torch.Tensor], device: torch.device) -> float:
+    """Mean loss over every rank that computed one (pipeline stages other than the last compute none).
+
+    Data- and context-parallel ranks see equal shares of the batch and tensor-parallel ranks the
+    same loss, so the plain mean over the ranks holding a loss is the loss of the global batch.
+    """
+    local = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+    total = torch.stack([local.float(), torch.tensor(float(bool(losses)), device=device)])
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, mesh: ParallelMesh) -> float:
+    """Total L2 norm of all gradients across every shard and pipeline stage; clips to ``max_norm``."""
+    params = [p for part in model_parts for p in part.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    pp = mesh.submesh("pp")
+    if pp is not None:  # each stage holds different parameters: sum the squares over stages
+        norm = norm**2
+        dist.all_reduce(norm, group=pp.get_group())
+        norm = norm.sqrt()
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()
+
+
+def lr_schedule(config):
+    """Linear warm-up to ``optimizer.lr``, then cosine or linear decay to ``min_lr_ratio`` of it."""
+    steps, s = config.training.steps, config.lr_scheduler
+    warmup, floor = s.warmup_steps, s.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        if s.decay == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if s.decay == "linear":
+            return 1 - (1 - floor) * progress
+        return 1.0
+    return factor
+
+
+def save_full_weights(model_parts: list[torch.nn.Module], path: Path) -> None:
+    """Every parameter this rank holds, gathered to full tensors, in one torch file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = {}
+    for part in model_parts:
+        state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        weights.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, path)
+
+
+def _configure_logging(run_dir: Path, rank: int) -> None:
+    """Every rank logs to logs/rank<r>.log in the run dir; rank 0 also to the console."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("titan_core")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s", "%H:%M:%S")
+    handlers = [logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
