@@ -13,6 +13,7 @@ from importlib.metadata import EntryPoint, entry_points
 from importlib.resources import files
 
 import pluggy
+import torch
 
 from titan_core import defaults, hookspecs
 from titan_core.errors import ConfigError
@@ -161,7 +162,8 @@ def call_plugin(pm: pluggy.PluginManager, hook_name: str, plugin: str, **kwargs)
 def build_plan(config, pm: pluggy.PluginManager, world_size: int | None) -> Plan:
     """Collect the declarations, order them, size the mesh and check conflicts.
 
-    ``world_size`` is the given world under torchrun, else None (the world is what the plan needs).
+    ``world_size`` is the given world under torchrun, else None: then a degree of -1 fills
+    ``launch.world_size``, or all local GPUs, and otherwise the world is what the degrees multiply to.
     """
     planned = []
     installed = installed_plugins()
@@ -219,9 +221,10 @@ def _mesh_shape(planned: list[PlannedPlugin], world_size: int | None, configured
                           "give the others explicit degrees")
     if fill:
         owner = degrees[fill[0]][1]
+        world = world or torch.cuda.device_count() or None
         if world is None:
             raise ConfigError(f"plugins.{owner}.degree", f"-1 needs a world size to fill ({fill[0]})",
-                              "set launch.world_size=N, or give an explicit degree, or run under torchrun")
+                              "give an explicit degree, or set launch.world_size=N, or run under torchrun")
         if world % fixed:
             raise ConfigError(f"plugins.{owner}.degree", f"world {world} is not divisible by the other degrees ({fixed})",
                               "choose degrees whose product divides the world size")

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
 
 from titan_core.data import check_documents, load_tokenizer
 from titan_core.errors import ConfigError
 from titan_core.model import llama_args
 from titan_core.plan import Plan, build_plan, check_plugin_names, plugin_manager
+from titan_core.searchpath import PluginConfigSearchPath
 
 EXIT_BAD_INPUT = 2
 
@@ -82,6 +84,8 @@ def hydra_main(config) -> None:
         print(plan.describe(), flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(config, run_dir / "config.yaml")
+    if config.launch.dry_run:
+        return
 
     from titan_core import train
 
@@ -148,6 +152,7 @@ def main() -> None:
 
 
 OmegaConf.register_new_resolver("titan_run_dir", default_run_dir, replace=True)
+Plugins.instance().register(PluginConfigSearchPath)
 
 if __name__ == "__main__":
     main()

@@ -74,6 +74,13 @@ def run_job(overrides, run_dir: Path, *, expect_success: bool = True, env: dict 
     return result
 
 
+def error_line(result: JobResult) -> str:
+    """The launcher's one-line error for bad input, checked to be its only error line and exit code 2."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("titan-core: error: ")]
+    assert result.returncode == 2 and len(lines) == 1, f"exit {result.returncode}\n{result.stderr[-3000:]}"
+    return lines[0]
+
+
 @dataclass
 class ParityReport:
     losses: list[float]
