@@ -1,0 +1,37 @@
+"""FSDP2 against one process: same per-step losses and final weights on the tiny Llama."""
+
+import pytest
+
+from titan_core.testing import TINY, error_line, run_job
+
+pytestmark = pytest.mark.slow
+
+FP32_LOSS_TOLERANCE = 1e-5
+# Adam divides by sqrt(v): gradients equal to a few ulps become weight updates equal to ~1e-6 at lr 1e-3.
+FP32_WEIGHT_TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("overrides", [
+    ["plugins.fsdp.degree=2"],
+    ["plugins.fsdp.degree=4"],
+    ["plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2"],
+    ["plugins.fsdp.degree=2", "plugins.fsdp.reshard_after_forward=always", "plugins.fsdp.prefetch=2",
+     "plugins.fsdp.cpu_offload=true"],
+], ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-reshard-prefetch-offload"])
+def test_fp32_parity(titan_parity, overrides):
+    report = titan_parity(["+plugins=[fsdp]", *overrides])
+    assert report.max_loss_diff <= FP32_LOSS_TOLERANCE, report
+    assert report.max_param_diff <= FP32_WEIGHT_TOLERANCE, report
+
+
+def test_bf16_mixed_precision_stays_close(titan_parity):
+    # bf16 keeps 8 mantissa bits: measured 3.6e-3 on the loss and 2.6e-3 on the weights (5 steps, lr 1e-3).
+    report = titan_parity(["+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.param_dtype=bfloat16"])
+    assert 0 < report.max_loss_diff <= 1e-2, report
+    assert report.max_param_diff <= 5e-3, report
+
+
+def test_unknown_dtype_is_refused(tmp_path):
+    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[fsdp]", "plugins.fsdp.degree=2",
+                      "plugins.fsdp.param_dtype=fp8"], tmp_path, expect_success=False)
+    assert "plugins.fsdp.param_dtype: unknown dtype 'fp8'" in error_line(result)

@@ -1,0 +1,88 @@
+"""The Llama model: published shapes, RoPE 3.1 scaling against Hugging Face's, init and FLOPs."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from titan_core.model import LlamaArgs, Transformer, llama_args, rope_frequencies
+
+CONF = __import__("pathlib").Path(__file__).resolve().parents[1] / "titan_core" / "conf" / "model"
+
+
+def published(name: str) -> LlamaArgs:
+    return llama_args(OmegaConf.load(CONF / f"{name}.yaml"), tokenizer_vocab_size=128256, seq_len=8192)
+
+
+@pytest.mark.parametrize("name, billions", [("8B", 8.03), ("70B", 70.55), ("405B", 405.85)])
+def test_published_sizes(name, billions):
+    with torch.device("meta"):
+        model = Transformer(published(name))
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_rope_scaling_matches_hugging_face_llama3():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    args = published("8B")
+    hf = LlamaConfig(hidden_size=args.dim, num_attention_heads=args.n_heads, rope_theta=args.rope_theta,
+                     max_position_embeddings=131072,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    args.max_seq_len = 2
+    ours = rope_frequencies(args)  # angle at position 1 is the frequency itself
+    torch.testing.assert_close(torch.atan2(ours[1, :, 1], ours[1, :, 0]), inv_freq.float(), rtol=1e-6, atol=1e-9)
+    plain = rope_frequencies(LlamaArgs(dim=args.dim, n_heads=args.n_heads, max_seq_len=2))
+    assert not torch.allclose(plain, ours), "scaling must change the low frequencies"
+
+
+def tiny_args(**overrides) -> LlamaArgs:
+    return LlamaArgs(**{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 96,
+                        "multiple_of": 32, "max_seq_len": 16, **overrides})
+
+
+def test_grouped_query_attention_shapes_and_causality():
+    model = Transformer(tiny_args())
+    model.init_weights(seed=0)
+    assert model.layers["0"].attention.wk.weight.shape == (2 * 16, 64)
+    tokens = torch.randint(0, 96, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 96)
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 96
+    # A later token must not change earlier positions' logits.
+    torch.testing.assert_close(model(changed)[:, :10], logits[:, :10])
+    assert not torch.allclose(model(changed)[:, 10:], logits[:, 10:])
+
+
+def test_init_depends_on_the_seed_and_the_name_only():
+    first, second, other = Transformer(tiny_args()), Transformer(tiny_args()), Transformer(tiny_args())
+    with torch.device("meta"):
+        on_meta = Transformer(tiny_args())
+    on_meta.to_empty(device="cpu")
+    for model, seed in ((first, 0), (second, 0), (other, 1), (on_meta, 0)):
+        model.init_weights(seed)
+    for (name, a), b, c, d in zip(first.named_parameters(), second.parameters(), other.parameters(),
+                                  on_meta.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, d), name
+        assert name.endswith("norm.weight") or not torch.equal(a, c), name
+    torch.testing.assert_close(on_meta.rope, rope_frequencies(tiny_args()))
+
+
+def test_flops_per_token_counts_every_matmul_weight():
+    args = tiny_args()
+    model = Transformer(args)
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters()
+                         if "norm" not in n and n != "tok_embeddings.weight")
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 16
+    assert model.flops_per_token(16) == 6 * matmul_weights + attention
+
+
+def test_ffn_hidden_size_follows_the_published_rounding():
+    assert published("8B").ffn_hidden_dim == 14336
+    assert published("70B").ffn_hidden_dim == 28672
+    assert published("405B").ffn_hidden_dim == 53248
+    assert math.isclose(published("8B").head_dim, 128)
