@@ -72,12 +72,13 @@ def convert_float8(model, config):
 
 
 @hookspec
-def apply_parallelism(model_parts, mesh, config, plugin_config):
+def apply_parallelism(model_parts, mesh, config, plugin_config, plan):
     """Apply this plugin's model transform: sharding, splitting, wrapping or compiling.
 
     Called once per enabled plugin that declared a stage, in plan order, on the meta model before
     its weights exist. ``model_parts`` is the list of modules this rank holds (one, unless a pipeline
-    plugin split the model); ``mesh`` is the :class:`titan_core.mesh.ParallelMesh`. Returns a new list
+    plugin split the model); ``plan`` is the validated :class:`titan_core.plan.Plan` (what the other
+    enabled plugins provide); ``mesh`` is the :class:`titan_core.mesh.ParallelMesh`. Returns a new list
     of model parts when the plugin replaced them (pipeline stages), else None (changed in place).
     """
 

@@ -72,11 +72,18 @@ class MetricsLogger:
         self.first_step = first_step
         self.start = self.last = time.perf_counter()
         self.last_step = first_step
+        self.losses: list[float] = []
 
     def step(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
-        """Record ``step``; returns the logged values (empty on steps that are not logged)."""
+        """Record ``step``; returns the logged values (empty on steps that are not logged).
+
+        The logged loss is the mean over the steps since the last log line, which shows the trend
+        where one step's loss would show the noise of its batch.
+        """
+        self.losses.append(loss)
         if step % self.every and step != self.steps:
             return {}
+        loss, self.losses = sum(self.losses) / len(self.losses), []
         now = time.perf_counter()
         step_time = (now - self.last) / (step - self.last_step)
         tokens_per_s = self.tokens_per_step / step_time

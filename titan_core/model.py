@@ -122,6 +122,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        # Sliced here, where the whole local sequence is present: the residual stream outside may be split
+        # along the sequence (sequence parallel), so its length is not the number of positions.
+        rope = rope[:seq]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         k = k.repeat_interleave(self.n_rep, dim=2)
         v = v.repeat_interleave(self.n_rep, dim=2)
@@ -168,9 +171,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope[: h.shape[1]]
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -81,10 +81,14 @@ def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: in
     for plugin in plan.plugins:
         if plugin.declaration.stage is not None:
             model_parts = call_plugin(pm, "apply_parallelism", plugin.name, model_parts=model_parts, mesh=mesh,
-                                      config=config, plugin_config=config.plugins[plugin.name]) or model_parts
+                                      config=config, plugin_config=config.plugins[plugin.name],
+                                      plan=plan) or model_parts
     for part in model_parts:
         part.to_empty(device=device)
         part.init_weights(training.seed)
+    local_params = sum(_local(p).numel() for part in model_parts for p in part.parameters())
+    log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
+             rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
 
     schedule = pm.hook.build_schedule(model_parts=model_parts, mesh=mesh, config=config, loss_fn=cross_entropy_loss)
     optimizer = pm.hook.build_optimizer(model_parts=model_parts, config=config)
@@ -126,9 +130,14 @@ def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: in
         pm.hook.on_step_end(step=state.step, metrics=logged, config=config)
         pm.hook.save_checkpoint(state=state, step=state.step, config=config, final=state.step == training.steps)
     metrics.close()
+    log.info("finished step %d", state.step)
     pm.hook.on_train_end(state=state, config=config)
     if config.testing.save_final_weights:
         save_full_weights(model_parts, run_dir / "final_weights" / f"rank{rank}.pt")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

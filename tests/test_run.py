@@ -1,0 +1,111 @@
+"""The command line end to end: a real short training, its run dir, multirun, torchrun, an installed
+third-party plugin and a non-editable install."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from titan_core.model import Transformer, llama_args
+from titan_core.testing import TINY, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_debug_model_learns_on_the_builtin_corpus(tmp_path):
+    # The default job (debug model, builtin corpus and tokenizer), shortened.
+    result = run_job(["training.steps=60", "metrics.log_every=20"], tmp_path)
+    losses = result.losses
+    assert len(losses) == 3
+    assert losses[-1] < losses[1] < losses[0] - 0.5, losses
+    assert "titan-core plan: world 1 = single process" in result.stdout
+    assert "| MFU " in result.stdout and "| eta " in result.stdout
+    first = result.metrics[0]
+    assert {"loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "memory_gib"} <= first.keys()
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
+    assert OmegaConf.load(tmp_path / "config.yaml").training.steps == 60
+    assert (tmp_path / ".hydra" / "overrides.yaml").exists()
+    assert "step 60/60" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_self_launch_writes_per_rank_logs(tmp_path):
+    run_job([*TINY, "+plugins=[fsdp]", "plugins.fsdp.degree=2"], tmp_path)
+    for rank in (0, 1):
+        log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+        assert f"[rank{rank}]" in log
+    assert "step 5/5" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_multirun_runs_each_job_as_its_own_world(tmp_path):
+    command = [sys.executable, "-m", "titan_core.run", "-m", *TINY, "+plugins=[fsdp]", "plugins.fsdp.degree=2",
+               "optimizer.lr=1e-3,3e-4", f"hydra.sweep.dir={tmp_path}"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [OmegaConf.load(r / "config.yaml").optimizer.lr for r in runs] == [1e-3, 3e-4]
+    losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
+    assert losses[0][0] == losses[1][0] and losses[0][-1] != losses[1][-1]
+    assert all((r / "logs" / "rank1.log").exists() for r in runs)
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_agrees_on_the_run_dir(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=agree", "-m", "titan_core.run", *TINY,
+               "+plugins=[fsdp]", "plugins.fsdp.degree=-1"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "torchrun-agree"
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert "world 2 = dp_shard 2" in completed.stdout
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+
+
+def install(sources: list[Path], target: Path) -> dict:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), *map(str, sources)], check=True, capture_output=True, timeout=600)
+    return {"PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+def test_third_party_plugin_installs_and_trains(tmp_path):
+    env = install([ROOT / "examples" / "freeze-plugin"], tmp_path / "site")
+    result = run_job([*TINY, "+plugins=[freeze]", "plugins.freeze.modules=[tok_embeddings,layers.0]"],
+                     tmp_path / "run", env=env)
+    assert "    50  freeze       titan-freeze-example" in result.stdout
+    weights = result.final_weights()
+
+    args = llama_args(OmegaConf.load(ROOT / "titan_core" / "conf" / "model" / "tiny.yaml"), 264, 32)
+    initial = Transformer(args)
+    initial.init_weights(seed=0)
+    for name, value in initial.state_dict().items():
+        frozen = name.startswith(("tok_embeddings.", "layers.0."))
+        assert torch.equal(weights[name], value) == frozen, name
+
+
+@pytest.mark.slow
+def test_non_editable_install_runs_with_its_packaged_configs(tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "outputs", "multirun", "*.egg-info",
+                                                                 "__pycache__", "build"), symlinks=True)
+    env = install([source, source / "plugins" / "fsdp"], tmp_path / "site")
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    completed = subprocess.run([sys.executable, "-c", "import titan_core, sys; print(titan_core.__file__)"],
+                               capture_output=True, text=True, env={**os.environ, **env}, cwd=workdir)
+    assert completed.stdout.startswith(str(tmp_path / "site")), completed.stdout + completed.stderr
+    result = run_job([*TINY, "training.steps=2", "+plugins=[fsdp]", "plugins.fsdp.degree=2"], workdir / "run", env=env)
+    assert len(result.losses) == 2
