@@ -62,14 +62,19 @@ class FileTokenizer:
         return self._tokenizer.decode(list(ids))
 
 
+def tokenizer_file(config) -> Path | None:
+    """The tokenizer.json that ``tokenizer.path`` names, or None for the byte-level tokenizer."""
+    if config.path == "bytes":
+        return None
+    file = Path(str(ASSETS / "tokenizer.json")) if config.path == "builtin" else Path(config.path).expanduser()
+    return file / "tokenizer.json" if file.is_dir() else file
+
+
 def load_tokenizer(config) -> ByteTokenizer | FileTokenizer:
     """``tokenizer.path``: ``builtin`` (shipped, 2048 entries), ``bytes``, or a tokenizer.json / its folder."""
-    path = config.path
-    if path == "bytes":
+    file = tokenizer_file(config)
+    if file is None:
         return ByteTokenizer()
-    file = Path(str(ASSETS / "tokenizer.json")) if path == "builtin" else Path(path).expanduser()
-    if file.is_dir():
-        file = file / "tokenizer.json"
     try:
         return FileTokenizer(file, config.bos_token, config.eos_token)
     except ConfigError:
@@ -107,8 +112,10 @@ def document_opener(config) -> Callable[[], Iterable[str]]:
 
 def check_documents(config) -> None:
     """Fail before launch when the configured data has no document with text in ``data.text_field``."""
-    if config.source == "hub":
-        return  # opening a hub dataset needs the network; the workers report what they find
+    if config.source in ("hub", "builtin"):
+        # A hub dataset needs the network (the workers report what they find); the built-in corpus is
+        # shipped non-empty, and opening it here would cost every launch the import of `datasets`.
+        return
     try:
         first = next((text for text in document_opener(config)() if text), None)
     except KeyError:

@@ -7,7 +7,7 @@ any subset of a hook's arguments, by name.
 Three kinds of hooks, and who decides the order:
 
 * Planning (``declare``, ``validate``) runs in the launching process before any worker starts.
-* Ordered transforms (``apply_parallelism``) run once per enabled plugin, in the plan's order
+* Ordered transforms (``apply_parallelism``, ``wrap_loss``) run once per enabled plugin, in the plan's order
   (stage, then name), which the core computes from the declarations. pluggy's own LIFO order is not
   used for these, so that "PP, then TP, then CP, then AC, then compile, then FSDP" holds whatever the
   command-line order.
@@ -83,6 +83,15 @@ def apply_parallelism(model_parts, mesh, config, plugin_config, plan):
     """
 
 
+@hookspec
+def wrap_loss(loss_fn, config):
+    """Return a replacement for the loss function ``loss_fn(logits, labels) -> scalar``, or None.
+
+    Called once per worker before ``build_schedule``, for each enabled plugin in plan order, each
+    receiving the previous one's result (the core's is fp32 cross entropy), e.g. to compile it.
+    """
+
+
 @hookspec(firstresult=True)
 def build_schedule(model_parts, mesh, config, loss_fn):
     """Build what runs forward and backward of one micro-batch, after weights are initialized.
@@ -143,11 +152,13 @@ def on_step_end(step, metrics, config):
 
 
 @hookspec(firstresult=True)
-def load_checkpoint(state, config):
+def load_checkpoint(state, config, run_dir):
     """Restore ``state`` (a :class:`titan_core.train.TrainState`) in place before the first step.
 
-    Called once per worker after everything is built. Returns the step it restored, or None to start
-    from scratch. No default: without a checkpoint plugin every run starts fresh.
+    Called once per worker after everything is built; ``run_dir`` is the job's run dir, the same on
+    every rank and across restarts of the world. Returns the step it restored (0 for weights
+    only), or None to start from scratch. No default: without a checkpoint plugin every run starts
+    fresh.
     """
 
 
@@ -155,8 +166,9 @@ def load_checkpoint(state, config):
 def save_checkpoint(state, step, config, final):
     """Save ``state`` after ``step``'s optimizer step, if this plugin's policy says so.
 
-    Called on every rank after every step; ``final`` is True after the last step. Returns the path
-    written (or scheduled), or None when nothing was saved this step.
+    Called on every rank after each step but the last with ``final=False``, then once after the loop
+    with ``final=True`` (also when no step ran: ``training.steps=0`` writes the initial weights).
+    Returns the path written (or being written in the background), or None when nothing was saved.
     """
 
 

@@ -44,7 +44,10 @@ def default_run_dir() -> str:
 def check_job(config, plan: Plan) -> None:
     """The core's own checks of the job; the plugins' ran in build_plan."""
     training = config.training
-    for field in ("steps", "global_batch_size", "seq_len", "grad_accum_steps"):
+    if not isinstance(training.steps, int) or training.steps < 0:
+        raise ConfigError("training.steps", f"{training.steps!r} is not an integer >= 0",
+                          "set the number of optimizer steps (0 builds and initializes only)")
+    for field in ("global_batch_size", "seq_len", "grad_accum_steps"):
         if not isinstance(training[field], int) or training[field] < 1:
             raise ConfigError(f"training.{field}", f"{training[field]!r} is not a positive integer",
                               "set a positive integer")

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,29 @@ def error_line(result: JobResult) -> str:
     lines = [line for line in result.stderr.splitlines() if line.startswith("titan-core: error: ")]
     assert result.returncode == 2 and len(lines) == 1, f"exit {result.returncode}\n{result.stderr[-3000:]}"
     return lines[0]
+
+
+def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distribution: str = "test-plugins") -> dict:
+    """Install throwaway plugins for a test: ``{name: (module_source, options_yaml)}`` as one distribution.
+
+    Writes dist-info metadata with both entry points, one module per plugin and its option file into
+    the folder ``site``; returns the environment that puts them on the path of a ``run_job``.
+    """
+    dist = site / f"{distribution.replace('-', '_')}-0.0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.0.0\n")
+    plugin_points, conf_points = ["[titan_core.plugins]"], ["[titan_core.conf]"]
+    for name, (source, options) in plugins.items():
+        module = f"{distribution.replace('-', '_')}_{name}"
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+        conf = site / f"{module}_conf" / "plugins"
+        conf.mkdir(parents=True)
+        (conf.parent / "__init__.py").write_text("")
+        (conf / f"{name}.yaml").write_text(f"{name}:\n  _plugin_: {name}\n{textwrap.indent(options, '  ')}")
+        plugin_points.append(f"{name} = {module}")
+        conf_points.append(f"{name} = {module}_conf")
+    (dist / "entry_points.txt").write_text("\n".join(plugin_points + [""] + conf_points) + "\n")
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
 @dataclass

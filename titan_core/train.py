@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from titan_core.data import load_tokenizer
+from titan_core.errors import ConfigError
 from titan_core.mesh import ParallelMesh, device_for_rank
 from titan_core.metrics import MetricsLogger
 from titan_core.model import llama_args
@@ -52,16 +53,35 @@ def train(config, run_dir: Path) -> None:
     if device.type == "cpu" and world_size > 1:
         torch.set_num_threads(config.launch.cpu_threads_per_worker)
     backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
-    if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    else:  # a single process started without a launcher still gets a (one-rank) world
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=_rendezvous_store(rank, world_size), rank=rank, world_size=world_size,
+                            device_id=device if device.type == "cuda" else None)
     try:
         pm = plugin_manager(config)
         plan = build_plan(config, pm, world_size)
         _train(config, run_dir, pm, plan, device, rank)
+    except (ConfigError, FloatingPointError) as error:
+        # Bad input found only once the model exists, or a diverged run: one line, not a traceback.
+        kind, code = ("error", 2) if isinstance(error, ConfigError) else ("stopped", 1)
+        log.error("%s", error)
+        print(f"titan-core: {kind}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
     finally:
         dist.destroy_process_group()
+
+
+def _rendezvous_store(rank: int, world_size: int) -> dist.Store:
+    """The store the ranks meet in: one per attempt of the world.
+
+    torchelastic's agent keeps one store across restarts of the world and hands it to every attempt
+    unprefixed, so a restarted gloo group would read the dead attempt's addresses and connect to dead
+    peers ("Connection refused"); each attempt gets its own key prefix here.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a single process started without a launcher: a one-rank world
+        return dist.HashStore()
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts)
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: int) -> None:
@@ -90,15 +110,16 @@ def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: in
     log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
              rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
 
-    schedule = pm.hook.build_schedule(model_parts=model_parts, mesh=mesh, config=config, loss_fn=cross_entropy_loss)
+    loss_fn = cross_entropy_loss
+    for plugin in plan.plugins:
+        loss_fn = call_plugin(pm, "wrap_loss", plugin.name, loss_fn=loss_fn, config=config) or loss_fn
+    schedule = pm.hook.build_schedule(model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
     optimizer = pm.hook.build_optimizer(model_parts=model_parts, config=config)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config))
     dp_rank = mesh.local_rank("dp_replicate", "dp_shard")
     dataloader = pm.hook.build_dataloader(config=config, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=plan.dp_size)
     state = TrainState(model_parts, optimizer, lr_scheduler, dataloader)
-    state.step = pm.hook.load_checkpoint(state=state, config=config) or 0
-    if state.step:
-        log.info("resumed after step %d", state.step)
+    state.step = pm.hook.load_checkpoint(state=state, config=config, run_dir=run_dir) or 0
 
     metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
                             model_parts[0].flops_per_token(training.seq_len), first_step=state.step)
@@ -118,17 +139,20 @@ def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: in
             if loss is not None:
                 losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
         loss = global_mean_loss(losses, device)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {state.step}: stopped before the optimizer step, "
-                                     "so no checkpoint holds these weights; lower optimizer.lr or check the data")
         grad_norm = clip_grad_norm_(model_parts, training.max_norm, mesh)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise FloatingPointError(f"loss is {loss} at step {state.step} (grad norm {grad_norm}): stopped before "
+                                     "the optimizer step, so no checkpoint holds these weights; lower optimizer.lr "
+                                     "or check the data")
         optimizer.step()
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()
         pm.hook.after_optimizer_step(model_parts=model_parts, config=config, step=state.step)
         logged = metrics.step(state.step, loss, grad_norm, lr)
         pm.hook.on_step_end(step=state.step, metrics=logged, config=config)
-        pm.hook.save_checkpoint(state=state, step=state.step, config=config, final=state.step == training.steps)
+        if state.step < training.steps:
+            pm.hook.save_checkpoint(state=state, step=state.step, config=config, final=False)
+    pm.hook.save_checkpoint(state=state, step=state.step, config=config, final=True)
     metrics.close()
     log.info("finished step %d", state.step)
     pm.hook.on_train_end(state=state, config=config)

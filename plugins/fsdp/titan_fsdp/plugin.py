@@ -5,13 +5,12 @@ context-parallel group hold different tokens of the same samples, so their gradi
 like those of different samples), and ``dp_replicate`` adds an outer replica dimension (HSDP).
 """
 
-import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan_core import ConfigError, Declaration, hookimpl
+from titan_core.options import FLOAT_DTYPES, float_dtype
 
 STAGE = 600  # last: it shards whatever the transforms before it (TP, AC, compile) produced
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESHARD = ("default", "always", "never")
 
 
@@ -26,9 +25,7 @@ def declare(plugin_config):
 @hookimpl
 def validate(plugin_config):
     for field in ("param_dtype", "reduce_dtype"):
-        if plugin_config[field] not in DTYPES:
-            raise ConfigError(f"plugins.fsdp.{field}", f"unknown dtype '{plugin_config[field]}'",
-                              f"use one of {', '.join(DTYPES)}")
+        float_dtype(plugin_config[field], f"plugins.fsdp.{field}")
     if plugin_config.reshard_after_forward not in RESHARD:
         raise ConfigError("plugins.fsdp.reshard_after_forward", f"unknown policy '{plugin_config.reshard_after_forward}'",
                           f"use one of {', '.join(RESHARD)}")
@@ -41,8 +38,8 @@ def apply_parallelism(model_parts, mesh, plugin_config):
     dp_mesh = mesh.submesh("dp_replicate", ("dp_shard", "cp"))
     policy = dict(
         mesh=dp_mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[plugin_config.param_dtype],
-                                       reduce_dtype=DTYPES[plugin_config.reduce_dtype]),
+        mp_policy=MixedPrecisionPolicy(param_dtype=FLOAT_DTYPES[plugin_config.param_dtype],
+                                       reduce_dtype=FLOAT_DTYPES[plugin_config.reduce_dtype]),
         # Pinned memory needs an accelerator; on a CPU-only job plain memory is the only kind.
         offload_policy=(CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if plugin_config.cpu_offload
                         else OffloadPolicy()),
