@@ -1,0 +1,55 @@
+"""Step time of each TP / CP / FSDP combination relative to one process, from the real command line.
+
+    python bench/parallel_step_time.py [--out DIR] [override ...]
+
+Every combination trains the same model on the same global batches; the table gives the median
+``step_time_s`` of ``metrics.jsonl`` after the warm-up steps and its ratio to the single-process run
+(> 1: slower than one process). Extra arguments are Hydra overrides for every run (e.g. ``model=tiny``).
+On a shared machine run it alone (``flock /tmp/titan-cpu.lock python bench/parallel_step_time.py``):
+the figures are wall-clock times, and several processes share the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from titan_core.testing import run_job
+
+COMBINATIONS = {
+    "1 process": [],
+    "tp 2": ["+plugins=[tp]", "plugins.tp.degree=2"],
+    "tp 2, no sequence parallel": ["+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false"],
+    "fsdp 2 x tp 2": ["+plugins=[fsdp,tp]", "plugins.fsdp.degree=2", "plugins.tp.degree=2"],
+    "cp 2, allgather": ["+plugins=[cp]", "plugins.cp.degree=2", "plugins.cp.rotate_method=allgather"],
+    "cp 2, alltoall": ["+plugins=[cp]", "plugins.cp.degree=2", "plugins.cp.rotate_method=alltoall"],
+    "cp 2 x fsdp 2": ["+plugins=[cp,fsdp]", "plugins.cp.degree=2", "plugins.fsdp.degree=2"],
+    "tp 2 x cp 2": ["+plugins=[tp,cp]", "plugins.tp.degree=2", "plugins.cp.degree=2"],
+}
+DEFAULTS = ("model=debug", "tokenizer.path=bytes", "training.seq_len=256", "training.global_batch_size=8",
+            "training.steps=12", "metrics.log_every=1", "metrics.tensorboard=false", "metrics.peak_tflops=1")
+WARMUP_STEPS = 2  # the first steps pay for allocator growth and DTensor's sharding-propagation caches
+
+
+def median_step_time(overrides: list[str], run_dir: Path) -> float:
+    metrics = run_job([*DEFAULTS, *overrides], run_dir).metrics
+    return statistics.median(m["step_time_s"] for m in metrics[WARMUP_STEPS:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    args, overrides = parser.parse_known_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="parallel_step_time_"))
+    times = {name: median_step_time([*combination, *overrides], out / str(i))
+             for i, (name, combination) in enumerate(COMBINATIONS.items())}
+    single = times["1 process"]
+    print(f"{'combination':<28} {'median s/step':>14} {'vs 1 process':>13}   ({out})")
+    for name, seconds in times.items():
+        print(f"{name:<28} {seconds:>14.4f} {seconds / single:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""One rank of the two-rank check that cp splits tokens, labels and RoPE rows alike (run by torchrun).
+
+Writes what this rank held inside the context to <out>/rank<r>.json; RoPE rows are identified by
+matching them against the full table, so the file says which positions the rank held.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from titan_core.mesh import ParallelMesh
+from titan_core.model import LlamaArgs, Transformer
+from titan_core.plan import Plan
+from titan_cp import plugin
+
+SEQ = 16
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        mesh = ParallelMesh({"cp": 2}, "cpu")
+        with torch.device("meta"):
+            model = Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=SEQ))
+        plugin.apply_parallelism(model_parts=[model], mesh=mesh, plan=Plan((), {"cp": 2}, 2),
+                                 plugin_config=OmegaConf.create({"rotate_method": "allgather", "load_balance": True}))
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        full_rope = model.rope.clone()
+        inputs = torch.arange(SEQ).expand(2, SEQ).clone()
+        labels = inputs + 100
+        with plugin.batch_context(inputs=inputs, labels=labels, model_parts=[model], mesh=mesh):
+            rope_rows = [next(p for p in range(SEQ) if torch.equal(row, full_rope[p])) for row in model.rope]
+            seen = {"inputs": inputs.tolist(), "labels": labels.tolist(), "rope_rows": rope_rows}
+        seen["rope_restored"] = torch.equal(model.rope, full_rope)
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,90 @@
+"""Context parallel: every sequence split over the ``cp`` mesh dimension, attention computed as a ring.
+
+Each micro-batch's tokens, labels and the model's RoPE table are split along the sequence inside
+torch's ``context_parallel`` context, the same way for all three: with head-tail load balancing the
+sequence is cut into 2 x degree chunks and rank r keeps chunks r and 2 x degree - 1 - r, so that every
+rank does the same share of causal attention work. Attention then passes key/value shards around the
+cp ranks (all-gather or all-to-all) and merges the partial results by their log-sum-exp.
+
+Each cp rank's loss is the mean over its own tokens, an equal share of the sample, so the gradient of
+the whole batch is the mean of the ranks' gradients. A data-parallel sharding plugin that spans cp
+(FSDP shards over dp_shard x cp) averages them in its reduce-scatter; without one this plugin
+all-reduces each gradient over the cp group itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import context_parallel
+
+from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
+from titan_core import ConfigError, Declaration, hookimpl
+
+STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
+ROTATE_METHODS = ("allgather", "alltoall")
+# Whoever provides this reduces gradients over a mesh that includes cp.
+SHARDING_CAPABILITY = "data_parallel_sharding"
+
+
+@hookimpl
+def declare(plugin_config):
+    return Declaration(stage=STAGE, mesh={"cp": plugin_config.degree}, provides=frozenset({"context_parallel"}))
+
+
+@hookimpl
+def validate(config, plugin_config, plan):
+    degree = plan.degree("cp")
+    if plugin_config.rotate_method not in ROTATE_METHODS:
+        raise ConfigError("plugins.cp.rotate_method", f"unknown rotate method '{plugin_config.rotate_method}'",
+                          f"use one of {', '.join(ROTATE_METHODS)}")
+    seq_len = config.training.seq_len
+    if seq_len % (2 * degree):
+        # Head-tail balancing cuts the sequence into 2 x degree equal chunks.
+        raise ConfigError("training.seq_len", f"{seq_len} tokens do not split into 2 x cp degree = {2 * degree} "
+                          "equal chunks", f"use a seq_len divisible by {2 * degree}")
+    problem = pinned_torch_problem()
+    if problem:
+        raise ConfigError("plugins.cp", problem, "install torch 2.13.x (the version titan-cp is tested with)")
+
+
+@hookimpl
+def apply_parallelism(model_parts, mesh, plugin_config, plan):
+    cp_mesh = mesh.submesh("cp")
+    if mesh.device_type == "cpu":
+        register_cpu_ring_attention()
+    configure_ring(plugin_config.rotate_method, plugin_config.load_balance)
+    if not any(SHARDING_CAPABILITY in p.declaration.provides for p in plan.plugins):
+        for part in model_parts:
+            apply_gradient_averaging(part, cp_mesh)
+
+
+def apply_gradient_averaging(part: torch.nn.Module, cp_mesh) -> None:
+    """Average every gradient over the cp ranks as soon as backward has accumulated it.
+
+    The weights only exist after the transforms (they are materialized later, as new tensors), so
+    the per-parameter hooks are installed by the first forward. With gradient accumulation each
+    micro-batch averages the running sum again, which leaves it the average of the sums.
+    """
+    group = cp_mesh.get_group()
+
+    def average_over_cp(param: torch.Tensor) -> None:
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
+
+    def install(module, args):
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(average_over_cp)
+        handle.remove()
+
+    handle = part.register_forward_pre_hook(install)
+
+
+@hookimpl
+def batch_context(inputs, labels, model_parts, mesh):
+    ropes = [part.rope for part in model_parts if isinstance(getattr(part, "rope", None), torch.Tensor)]
+    # Split in place for the forward and backward; the positions are restored on exit, the batch is spent.
+    return context_parallel(mesh.submesh("cp"), buffers=[inputs, labels, *ropes],
+                            buffer_seq_dims=[1, 1, *(0 for _ in ropes)], no_restore_buffers={inputs, labels})

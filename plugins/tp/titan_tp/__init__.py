@@ -1,0 +1,1 @@
+"""titan-core plugin ``tp``: tensor parallel for the core's Llama."""
