@@ -1,0 +1,119 @@
+"""Pipeline parallel: the model split into stages over the ``pp`` mesh dimension, run by a torch schedule.
+
+``apply_parallelism`` (first, at stage 100) replaces the meta model by this rank's stages, each a copy
+of the whole model with the other blocks deleted, so parameter names stay those of the whole model and
+the later transforms (TP, compile, FSDP) apply to each stage as to a whole model. ``build_schedule``
+wraps the materialized stages in ``torch.distributed.pipelining`` stages and schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch.distributed.pipelining import PipelineStage, schedules
+
+from titan_core import ConfigError, Declaration, hookimpl
+from titan_pp.layout import Layout, schedule_kind, stage_layout
+
+log = logging.getLogger("titan_core")
+STAGE = 100  # first: the later transforms then see one stage per model part
+
+
+@hookimpl
+def declare(plugin_config):
+    return Declaration(stage=STAGE, mesh={"pp": plugin_config.degree}, provides=frozenset({"pipeline"}))
+
+
+@hookimpl
+def validate(config, plugin_config, plan):
+    layout = _layout(config, plan.degree("pp"))
+    if schedule_kind(plugin_config).zero_bubble and any("compile" in p.declaration.provides for p in plan.plugins):
+        raise ConfigError("plugins.pp.schedule", f"{plugin_config.schedule} splits backward into input and weight "
+                          "halves, which torch refuses for compiled stages",
+                          "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS with compile, or disable compile")
+    training = config.training
+    split = plan.dp_size * training.grad_accum_steps
+    if training.global_batch_size % split == 0 and (training.global_batch_size // split) % layout.microbatches:
+        per_step = training.global_batch_size // split
+        raise ConfigError("plugins.pp.microbatches", f"{per_step} sequences per pipeline step (global batch / "
+                          f"data-parallel ranks / grad_accum_steps) do not split into {layout.microbatches} "
+                          "micro-batches", "choose microbatches dividing that number, or change the batch")
+
+
+@hookimpl
+def apply_parallelism(model_parts, mesh, config):
+    (model,) = model_parts
+    layout = _layout(config, mesh.degree("pp"))
+    stages = layout.stages_of(mesh.local_rank("pp"))
+    log.info("pipeline: %s, %d micro-batches; this rank runs %s", config.plugins.pp.schedule, layout.microbatches,
+             ", ".join(f"stage {s}/{layout.num_stages} (blocks {_span(layout.blocks[s])})" for s in stages))
+    return [stage_module(model, layout, stage) for stage in stages]
+
+
+def _span(blocks: tuple[int, ...]) -> str:
+    return f"{blocks[0]}-{blocks[-1]}" if blocks else "none"
+
+
+def stage_module(model: torch.nn.Module, layout: Layout, stage: int) -> torch.nn.Module:
+    """A copy of the (meta) model keeping only what ``stage`` runs; its forward skips the parts set to None."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layout.blocks[stage]}
+    for name in [n for n in part.layers if n not in keep]:
+        del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != layout.num_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+class PipelineStep:
+    """One pipeline step over a local batch: the schedule runs its micro-batches forward and backward.
+
+    The loss handed to torch is scaled by micro-batches x grad-accum steps and torch's own gradient
+    scaling is off: torch would divide every gradient the stage holds, including those accumulated by
+    the previous grad-accum steps.
+    """
+
+    def __init__(self, schedule_name: str, stages: list[PipelineStage], microbatches: int, loss_fn,
+                 grad_accum_steps: int):
+        self.holds_first = any(s.is_first for s in stages)
+        self.holds_last = any(s.is_last for s in stages)
+        self.loss_fn = loss_fn
+        self.scale = microbatches * grad_accum_steps
+        schedule_class = schedules.get_schedule_class(schedule_name)
+        looped = issubclass(schedule_class, schedules.PipelineScheduleMulti)
+        self.schedule = schedule_class(stages if looped else stages[0], n_microbatches=microbatches,
+                                       loss_fn=self.scaled_loss, scale_grads=False)
+
+    def scaled_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(outputs, labels) / self.scale
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        # torch also calls the loss function to infer shapes on the first step: take the
+        # micro-batches' losses from the schedule rather than counting calls.
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first else ()
+        self.schedule.step(*args, target=labels if self.holds_last else None, losses=losses, return_outputs=False)
+        if not self.holds_last:
+            return None
+        # Equal micro-batches: the mean of their mean losses is the mean loss of the local batch.
+        return torch.stack(losses).detach().mean() * self.scale
+
+
+@hookimpl
+def build_schedule(model_parts, mesh, config, loss_fn):
+    layout = _layout(config, mesh.degree("pp"))
+    group = mesh.submesh("pp").get_group()
+    device = next(model_parts[0].parameters()).device
+    stages = [PipelineStage(part, index, layout.num_stages, device, group=group)
+              for part, index in zip(model_parts, layout.stages_of(mesh.local_rank("pp")))]
+    return PipelineStep(config.plugins.pp.schedule, stages, layout.microbatches, loss_fn,
+                        config.training.grad_accum_steps)
+
+
+def _layout(config, degree: int) -> Layout:
+    return stage_layout(config.plugins.pp, config.model.n_layers, degree)
