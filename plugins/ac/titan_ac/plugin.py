@@ -1,0 +1,66 @@
+"""Activation checkpointing: blocks keep few of their activations and recompute the rest in backward.
+
+* ``full``: a checkpointed block keeps only its inputs and reruns its whole forward in backward.
+* ``selective_op``: every block keeps the results of the expensive ops (``save_ops``, by default the
+  matmuls and attention) and recomputes only the cheap elementwise ones (norms, RoPE, SwiGLU).
+* ``selective_layer``: full checkpointing of every ``every``-th block; the others keep everything.
+
+Blocks are wrapped in place in ``part.layers``; the wrapper's ``_checkpoint_wrapped_module.`` name
+segment is one the core strips from parameter names, so init and checkpoints see the usual names.
+"""
+
+from functools import partial
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titan_core import ConfigError, Declaration, hookimpl
+
+STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their collectives too; before compile
+MODES = ("full", "selective_op", "selective_layer")
+
+
+@hookimpl
+def declare():
+    return Declaration(stage=STAGE)
+
+
+@hookimpl
+def validate(plugin_config):
+    if plugin_config.mode not in MODES:
+        raise ConfigError("plugins.ac.mode", f"unknown mode '{plugin_config.mode}'", f"use one of {', '.join(MODES)}")
+    if plugin_config.mode == "selective_layer" and not (isinstance(plugin_config.every, int) and plugin_config.every >= 1):
+        raise ConfigError("plugins.ac.every", f"{plugin_config.every!r} is not a positive integer",
+                          "checkpoint every k-th block with k >= 1 (1: every block)")
+    if plugin_config.mode == "selective_op":
+        unknown = [op for op in plugin_config.save_ops if not hasattr(torch.ops.aten, op)]
+        if unknown:
+            raise ConfigError("plugins.ac.save_ops", f"'{unknown[0]}' is not an aten op",
+                              "name ops as in torch.ops.aten (e.g. mm, _scaled_dot_product_flash_attention)")
+
+
+@hookimpl
+def apply_parallelism(model_parts, plugin_config):
+    for part in model_parts:
+        apply_ac(part.layers, plugin_config.mode, plugin_config.every, plugin_config.save_ops)
+
+
+def apply_ac(layers: torch.nn.ModuleDict, mode: str, every: int = 1, save_ops=()) -> None:
+    """Wrap the blocks of ``layers`` in place. Keys are the global layer indices (a pipeline stage keeps
+    them), so ``every`` picks the same blocks whatever the split."""
+    for name, block in list(layers.items()):
+        if mode == "selective_layer" and int(name) % every:
+            continue
+        context = {"context_fn": keep_results_of(save_ops)} if mode == "selective_op" else {}
+        # No dropout in these models, so the RNG state need not be saved and restored around recomputation.
+        layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **context)
+
+
+def keep_results_of(op_names):
+    """A checkpoint ``context_fn`` that saves the outputs of the named aten ops and recomputes the rest."""
+    saved = {getattr(torch.ops.aten, name) for name in op_names}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op.overloadpacket in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return partial(create_selective_checkpoint_contexts, policy)
