@@ -1,0 +1,231 @@
+"""Checkpoints: exact resume, resharding between plans, crashes mid-run and mid-save, guards.
+
+Faults are injected by a throwaway plugin installed for the test (``faults``): it kills a rank with
+SIGKILL after a step, kills it inside the checkpoint writer, or turns one step's logits into NaN.
+"""
+
+import json
+
+import pytest
+import torch
+
+from titan_core.testing import TINY, error_line, install_plugins, run_job
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+BASE = [*TINY, f"training.steps={STEPS}"]
+# A plan: the plugins beside checkpoint, and their options.
+ONE = ((), ())
+FSDP2 = (("fsdp",), ("plugins.fsdp.degree=2",))
+ASYNC = ("plugins.checkpoint.async_save=true",)
+# Resharded runs reduce in another order than the single process: the parity harness's fp32 bounds.
+RESHARD_TOLERANCE = 1e-5
+
+FAULTS = """
+import os
+import signal
+
+from titan_core import Declaration, hookimpl
+
+calls = {"batches": 0}
+
+
+def armed(options, step):
+    return (step == options.at_step and int(os.environ.get("RANK", 0)) == options.rank
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+
+
+@hookimpl
+def declare():
+    return Declaration()
+
+
+@hookimpl
+def on_step_end(step, config):
+    options = config.plugins.faults
+    if not armed(options, step):
+        return
+    if options.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if options.kind == "kill_in_save":  # this step's checkpoint writer dies before it writes a byte
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        FileSystemWriter.write_data = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+
+
+@hookimpl
+def batch_context(model_parts, config):
+    calls["batches"] += 1
+    options = config.plugins.faults
+    if options.kind != "nan_loss" or not armed(options, calls["batches"]):
+        return None
+    return model_parts[-1].register_forward_hook(lambda module, args, output: output * float("nan"))
+"""
+
+
+def job(plan, *options, faults: bool = False) -> list[str]:
+    """The command line of a checkpointed run under ``plan`` (plus the fault plugin if asked)."""
+    extra, plan_options = plan
+    names = ["checkpoint", *extra, *(["faults"] if faults else [])]
+    return [*BASE, f"+plugins=[{','.join(names)}]", *plan_options, *options]
+
+
+@pytest.fixture
+def faults(tmp_path):
+    """``faults(kind, at_step, rank)`` -> (environment, overrides) arming the fault plugin."""
+    env = install_plugins(tmp_path / "site", {"faults": (FAULTS, "kind: kill\nat_step: 5\nrank: 0\n")})
+
+    def arm(kind: str, at_step: int, rank: int = 0) -> tuple[dict, list[str]]:
+        return env, [f"plugins.faults.kind={kind}", f"plugins.faults.at_step={at_step}", f"plugins.faults.rank={rank}"]
+    return arm
+
+
+def losses_by_step(result) -> dict[int, float]:
+    """The loss of each step; a step logged twice (before a crash and after the resume) keeps its last."""
+    return {m["step"]: m["loss"] for m in result.metrics}
+
+
+def assert_same_weights(weights: dict, expected: dict, tolerance: float = 0.0) -> None:
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        diff = (weights[name] - tensor).abs().max().item()
+        assert diff <= tolerance, f"{name} differs by {diff:.2e}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(plan, *options)``: the run without faults, computed once per command line."""
+    cache = {}
+
+    def run(plan=ONE, *options):
+        command = job(plan, *options)
+        if tuple(command) not in cache:
+            cache[tuple(command)] = run_job(command, tmp_path_factory.mktemp("whole"))
+        return cache[tuple(command)]
+    return run
+
+
+@pytest.mark.parametrize("plan, options", [(ONE, ()), (ONE, ASYNC), (FSDP2, ASYNC)],
+                         ids=["one-process", "one-process-async", "fsdp2-async"])
+def test_stopped_run_resumes_bit_for_bit(tmp_path, faults, uninterrupted, plan, options):
+    env, fault = faults("kill", at_step=7)
+    options = (*options, "plugins.checkpoint.interval=2")
+    stopped = run_job(job(plan, *options, *fault, faults=True), tmp_path, env=env, expect_success=False)
+    assert stopped.returncode != 0 and max(losses_by_step(stopped)) == 7
+    # Saving step 6 waited for step 4's save; step 6's own may have been cut short (asynchronous).
+    complete = [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.endswith(".partial")]
+    assert "step-4" in complete, complete
+    newest = max(int(name.split("-")[1]) for name in complete)
+
+    resumed = run_job(job(plan, *options), tmp_path)
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert f"checkpoints/step-{newest}: continuing after step {newest}" in log
+    whole = uninterrupted(plan, *options)
+    assert losses_by_step(resumed) == losses_by_step(whole)
+    assert_same_weights(resumed.final_weights(), whole.final_weights())
+
+
+def test_checkpoints_move_between_plans(tmp_path, uninterrupted):
+    """fsdp4 -> fsdp2 -> one process -> tp2, fsdp4 -> hsdp 2x2, fsdp2 -> pp2 -> one process: each run continues
+    the single-process run's losses from the checkpoint it loads and ends at its weights."""
+    reference = uninterrupted()
+    expected_losses = losses_by_step(reference)
+    plans = {
+        "fsdp4": ((("fsdp",), ("plugins.fsdp.degree=4",)), None),
+        "fsdp2": (FSDP2, "fsdp4/checkpoints/step-2"),
+        "one": (ONE, "fsdp2/checkpoints/step-4"),
+        "tp2": ((("tp",), ("plugins.tp.degree=2",)), "one/checkpoints/step-6"),
+        "hsdp": ((("fsdp",), ("plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2")), "fsdp4/checkpoints/step-4"),
+        "pp2": ((("pp",), ("plugins.pp.degree=2",)), "fsdp2/checkpoints/step-4"),
+        "one-from-pp2": (ONE, "pp2/checkpoints/step-6"),
+    }
+    for name, (plan, source) in plans.items():
+        load = [f"plugins.checkpoint.load_path={tmp_path / source}"] if source else []
+        result = run_job(job(plan, *load, "plugins.checkpoint.interval=2", "plugins.checkpoint.keep_latest_k=0"),
+                         tmp_path / name)
+        first = int(source.rsplit("-", 1)[1]) + 1 if source else 1
+        losses = losses_by_step(result)
+        assert sorted(losses) == list(range(first, STEPS + 1)), name
+        worst = max(abs(losses[s] - expected_losses[s]) for s in losses)
+        print(f"{name} from {source}: max loss diff {worst:.2e}")
+        assert worst <= RESHARD_TOLERANCE, name
+        assert_same_weights(result.final_weights(), reference.final_weights(), RESHARD_TOLERANCE)
+
+
+def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path, faults, uninterrupted):
+    env, fault = faults("kill", at_step=5, rank=1)
+    options = ("plugins.checkpoint.interval=2", "launch.max_restarts=1")
+    result = run_job(job(FSDP2, *options, *fault, faults=True), tmp_path, env=env)
+    assert "checkpoints/step-4: continuing after step 4" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert_same_weights(result.final_weights(), uninterrupted(FSDP2, *options).final_weights())
+
+
+def test_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, faults, uninterrupted):
+    env, fault = faults("kill_in_save", at_step=4, rank=1)
+    options = ("plugins.checkpoint.interval=2", "launch.max_restarts=1")
+    result = run_job(job(FSDP2, *options, *fault, faults=True), tmp_path, env=env)
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "step-4.partial, an incomplete save" in log
+    assert "checkpoints/step-2: continuing after step 2" in log
+    assert_same_weights(result.final_weights(), uninterrupted(FSDP2, *options).final_weights())
+
+
+def test_nan_loss_stops_before_any_save(tmp_path, faults):
+    env, fault = faults("nan_loss", at_step=5)
+    result = run_job(job(ONE, "plugins.checkpoint.interval=2", *fault, faults=True), tmp_path, env=env,
+                     expect_success=False)
+    assert result.returncode == 1
+    assert "titan-core: stopped: loss is nan at step 5" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
+def test_seed_checkpoint_into_a_sharded_plan_and_final_export(tmp_path):
+    seed = run_job(job(ONE, "training.steps=0", "plugins.checkpoint.final_model_only=true"), tmp_path / "seed")
+    seed_dir = seed.run_dir / "checkpoints" / "weights-step-0"
+    assert (seed_dir / ".metadata").is_file()
+    from_seed = run_job(job(FSDP2, f"plugins.checkpoint.load_path={seed_dir}", "plugins.checkpoint.final_model_only=true",
+                            "plugins.checkpoint.export_dtype=bfloat16", "plugins.checkpoint.export_hf=true"),
+                        tmp_path / "sharded")
+    fresh = run_job(job(ONE), tmp_path / "fresh")
+    assert losses_by_step(from_seed).keys() == losses_by_step(fresh).keys()
+    assert max(abs(a - b) for a, b in zip(from_seed.losses, fresh.losses)) <= RESHARD_TOLERANCE
+
+    from titan_checkpoint.convert import main as convert, read_model_weights
+
+    final = from_seed.run_dir / "checkpoints" / f"weights-step-{STEPS}"
+    weights = read_model_weights(final)
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert_same_weights(weights, {k: v.bfloat16() for k, v in from_seed.final_weights().items()})
+    convert([str(final), str(tmp_path / "model.pt")])
+    assert_same_weights(torch.load(tmp_path / "model.pt", weights_only=True), weights)
+    hf = from_seed.run_dir / "checkpoints" / f"hf-step-{STEPS}"
+    assert json.loads((hf / "config.json").read_text())["num_hidden_layers"] == 4
+
+
+def test_model_of_another_shape_is_refused_before_launch(tmp_path):
+    run_job(job(ONE, "training.steps=1"), tmp_path / "small")
+    result = run_job(job(ONE, "model.dim=128", f"plugins.checkpoint.load_path={tmp_path / 'small' / 'checkpoints'}"),
+                     tmp_path / "big", expect_success=False)
+    line = error_line(result)
+    assert "plugins.checkpoint.load_path: tensor tok_embeddings.weight is [264, 64] in" in line, line
+    assert "but [264, 128] in this model" in line
+
+
+def test_pickled_entries_are_never_loaded(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"step": 5}, checkpoint_id=str(tmp_path / "pickled"), no_dist=True)
+    result = run_job(job(ONE, f"plugins.checkpoint.load_path={tmp_path / 'pickled'}"), tmp_path / "run",
+                     expect_success=False)
+    assert "stores step as a pickled object" in error_line(result)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("plugins.checkpoint.interval=-1", "plugins.checkpoint.interval: -1 is not an integer >= 0"),
+    ("plugins.checkpoint.export_dtype=fp8", "plugins.checkpoint.export_dtype: unknown dtype 'fp8'"),
+    ("plugins.checkpoint.load_path=/nonexistent", "plugins.checkpoint.load_path: /nonexistent is not a checkpoint"),
+])
+def test_bad_options_are_refused_before_launch(tmp_path, override, message):
+    result = run_job(job(ONE, "launch.dry_run=true", override), tmp_path, expect_success=False)
+    assert message in error_line(result)

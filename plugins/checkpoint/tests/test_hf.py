@@ -1,0 +1,77 @@
+"""Hugging Face Llama folders: transformers reads our export with equal logits, and we read it back."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from titan_core import ConfigError
+from titan_core.model import LlamaArgs, Transformer
+from titan_checkpoint.hf import export_hf, hf_shapes, import_hf
+
+LOGIT_TOLERANCE = 1e-5
+
+
+def tiny_llama(**rope) -> Transformer:
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=300, multiple_of=32, max_seq_len=32,
+                     rope_theta=10000.0, **rope)
+    model = Transformer(args)
+    model.init_weights(seed=3)
+    return model.eval()
+
+
+# The 3.1 scaling changes frequencies only past the original context, so it is set short here.
+ROPES = {"plain": {}, "llama3.1": dict(rope_scaling_factor=8.0, rope_original_max_positions=16)}
+TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("rope", ROPES.values(), ids=ROPES.keys())
+def test_transformers_reads_the_export_with_equal_logits(tmp_path, rope):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama(**rope)
+    export_hf(model.state_dict(), model.args, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        diff = (hf(TOKENS).logits - model(TOKENS)).abs().max().item()
+    print(f"max logit diff against transformers ({rope or 'plain rope'}): {diff:.2e}")
+    assert diff <= LOGIT_TOLERANCE
+
+
+def test_import_gives_back_the_same_model(tmp_path):
+    model = tiny_llama(**ROPES["llama3.1"])
+    export_hf(model.state_dict(), model.args, tmp_path, shard_bytes=40_000)
+    assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) == 21
+    args, weights = import_hf(tmp_path)
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.ffn_hidden_dim, args.rope_scaling_factor) == \
+        (64, 2, 8, 4, model.args.ffn_hidden_dim, 8.0)
+    assert weights.keys() == model.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert hf_shapes(tmp_path) == {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    rebuilt = Transformer(args)
+    rebuilt.load_state_dict(weights)
+    rebuilt.rope = model.rope
+    with torch.no_grad():
+        assert torch.equal(rebuilt(TOKENS), model(TOKENS))
+
+
+def test_export_dtype_is_the_stored_dtype(tmp_path):
+    model = tiny_llama()
+    export_hf(model.state_dict(), model.args, tmp_path, dtype=torch.bfloat16)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_bad_folders_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="has no config.json"):
+        import_hf(tmp_path)
+    model = tiny_llama()
+    export_hf(model.state_dict(), model.args, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model_type 'gpt2', not llama"):
+        import_hf(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="has no model.safetensors"):
+        hf_shapes(tmp_path)

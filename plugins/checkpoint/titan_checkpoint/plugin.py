@@ -1,0 +1,236 @@
+"""Distributed checkpoints: periodic, optionally asynchronous, never half-written, loadable by any plan.
+
+Folder layout (``plugins.checkpoint.folder``, under the run dir unless absolute)::
+
+    step-40/            a complete training state (torch.distributed.checkpoint format)
+    step-60.partial/    a save in progress, or one a dead process left behind: never loaded
+    weights-step-100/   the final model-only save, in the export dtype
+    hf-step-100/        the final weights as a Hugging Face Llama folder
+
+A save writes into ``<name>.partial``; rank 0 renames it once the checkpoint's metadata exists, which
+DCP writes only after every rank has written its shards. So a directory without the suffix is
+always complete, a process killed mid-save costs only that save, and a restarted world resumes from
+the newest complete ``step-N`` in its own folder before it looks at ``load_path``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_core import ConfigError, Declaration, hookimpl
+from titan_checkpoint.convert import export_hf_from_checkpoint
+from titan_core.data import load_tokenizer
+from titan_core.options import FLOAT_DTYPES, float_dtype
+from titan_core.model import Transformer, llama_args
+from titan_checkpoint.hf import hf_shapes, import_hf
+from titan_checkpoint.state import (check_loadable, check_model_matches, copy_into_model, dcp_shapes,
+                                    load_training_state, model_tensors, training_tensors)
+
+log = logging.getLogger("titan_core")
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@hookimpl
+def declare():
+    return Declaration(provides=frozenset({"checkpointing"}))
+
+
+@hookimpl
+def validate(config, plugin_config):
+    for field, least in (("interval", 0), ("keep_latest_k", 0)):
+        value = plugin_config[field]
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"plugins.checkpoint.{field}", f"{value!r} is not an integer >= {least}",
+                              f"set an integer >= {least} (0 turns it off)")
+    float_dtype(plugin_config.export_dtype, "plugins.checkpoint.export_dtype")
+    if plugin_config.load_path:
+        kind, path = checkpoint_to_load(Path(plugin_config.load_path).expanduser())
+        expected = model_shapes(config)
+        check_model_matches(expected, hf_shapes(path) if kind == "hf" else dcp_shapes(path)[1], path, set(expected))
+
+
+def model_shapes(config) -> dict[str, tuple]:
+    """The shapes of titan-core's Llama under ``config``, by checkpoint key, from a model on the meta device."""
+    args = llama_args(config.model, load_tokenizer(config.tokenizer).vocab_size, config.training.seq_len)
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def checkpoint_to_load(path: Path) -> tuple[str, Path]:
+    """What ``load_path`` names: ("hf", folder), ("dcp", step dir) or, for a checkpoints folder, its newest."""
+    if (path / "config.json").is_file():
+        return "hf", path
+    if (path / ".metadata").is_file():
+        return "dcp", path
+    newest = complete_checkpoints(path)
+    if newest:
+        return "dcp", newest[-1][1]
+    raise ConfigError("plugins.checkpoint.load_path", f"{path} is not a checkpoint, a folder of checkpoints or a "
+                      "Hugging Face model folder", "point it at a step-N folder, its parent, or an HF folder")
+
+
+def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """Full training states in ``folder``, oldest first."""
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*")
+             if (m := STEP_DIR.fullmatch(p.name)) and (p / ".metadata").is_file()] if folder.is_dir() else []
+    return sorted(found)
+
+
+class Checkpointer:
+    def __init__(self, plugin_config, config, run_dir: Path):
+        self.options = plugin_config
+        self.folder = run_dir / Path(plugin_config.folder).expanduser()
+        self.config = config
+        self.rank = dist.get_rank()
+        # Asynchronous saves talk on their own gloo group: a background thread must not interleave its
+        # collectives with the training step's on the default group (and NCCL cannot stage to CPU).
+        self.group = dist.new_group(backend="gloo") if plugin_config.async_save else None
+        self.pending: Future | None = None
+        self.saved_step: int | None = None
+
+    def load(self, state) -> int | None:
+        choice = [None]
+        if self.rank == 0:  # rank 0 decides, so that every rank loads the same checkpoint
+            for partial in self.folder.glob("*.partial"):
+                log.info("removing %s, an incomplete save of an earlier attempt", partial)
+                shutil.rmtree(partial)
+            own = complete_checkpoints(self.folder)
+            if own:
+                choice = [("dcp", own[-1][1], False)]
+            elif self.options.load_path:
+                kind, path = checkpoint_to_load(Path(self.options.load_path).expanduser())
+                choice = [(kind, path, self.options.load_model_only)]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        kind, path, model_only = choice[0]
+        if kind == "hf":
+            load_hf_weights(state.model_parts, path)
+            step = 0
+        else:
+            step = load_training_state(state, path, model_only)
+        log.info("loaded %s%s: continuing after step %d", path, " (weights only)" if model_only or not step else "",
+                 step)
+        self.saved_step = step if path.parent == self.folder else None
+        return step
+
+    def save(self, state, step: int, final: bool) -> Path | None:
+        if final:
+            self.wait()
+            if self.options.final_model_only:
+                dtype = FLOAT_DTYPES[self.options.export_dtype]
+                saved = self.write({k: v.to(dtype) for k, v in model_tensors(state.model_parts).items()},
+                                   f"weights-step-{step}", asynchronous=False)
+            elif self.saved_step != step:
+                saved = self.write(training_tensors(state), f"step-{step}", asynchronous=False)
+            else:
+                saved = self.folder / f"step-{step}"
+            if self.options.export_hf:
+                self.export_hf(saved, step)
+            return saved
+        if not self.options.interval or step % self.options.interval:
+            return None
+        self.wait()
+        return self.write(training_tensors(state), f"step-{step}", asynchronous=self.options.async_save)
+
+    def write(self, tensors: dict, name: str, asynchronous: bool) -> Path:
+        partial, complete = self.folder / f"{name}.partial", self.folder / name
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        if asynchronous:  # returns once the tensors are copied to memory; the writing goes on in a thread
+            upload = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group)
+            self.pending = upload if self.rank else then(upload, lambda: self.publish(partial, complete))
+        else:
+            dcp.save(tensors, checkpoint_id=str(partial))
+            if self.rank == 0:
+                self.publish(partial, complete)
+        self.saved_step = int(STEP_DIR.search(name).group(1))
+        return complete
+
+    def publish(self, partial: Path, complete: Path) -> None:
+        """Make a finished save visible; the one it replaces (a rerun of a step) goes only after."""
+        replaced = complete.with_name(complete.name + ".replaced")
+        if complete.exists():
+            complete.rename(replaced)
+        partial.rename(complete)
+        shutil.rmtree(replaced, ignore_errors=True)
+        log.info("checkpoint %s written", complete)
+        if self.options.keep_latest_k:
+            for _, old in complete_checkpoints(self.folder)[:-self.options.keep_latest_k]:
+                shutil.rmtree(old)
+
+    def export_hf(self, checkpoint: Path, step: int) -> None:
+        if self.rank == 0:
+            target = self.folder / f"hf-step-{step}"
+            export_hf_from_checkpoint(checkpoint, target, FLOAT_DTYPES[self.options.export_dtype],
+                                      self.config)
+            log.info("Hugging Face export %s written", target)
+        dist.barrier()
+
+    def wait(self) -> None:
+        """Finish the save in flight, raising its error if it failed."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+
+def then(future: Future, action) -> Future:
+    """A future that completes once ``future`` has and ``action`` has run after it."""
+    done: Future = Future()
+
+    def finish(finished: Future) -> None:
+        try:
+            finished.result()
+            action()
+            done.set_result(None)
+        except BaseException as error:
+            done.set_exception(error)
+    future.add_done_callback(finish)
+    return done
+
+
+def load_hf_weights(model_parts, folder: Path) -> None:
+    """Initialize the model from a Hugging Face Llama folder, each rank keeping its shard."""
+    _, weights = import_hf(folder)
+    full = {f"model.{k}": v for k, v in weights.items()}
+    wanted = model_tensors(model_parts)
+    check_loadable(wanted, {k: tuple(v.shape) for k, v in full.items()}, folder)
+    for key, tensor in wanted.items():
+        value = full[key].to(device=tensor.device, dtype=tensor.dtype)
+        if isinstance(tensor, DTensor):
+            value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+        wanted[key] = value
+    copy_into_model(model_parts, wanted)
+
+
+_checkpointer: Checkpointer | None = None
+
+
+@hookimpl
+def load_checkpoint(state, config, run_dir):
+    global _checkpointer
+    _checkpointer = Checkpointer(config.plugins.checkpoint, config, Path(run_dir))
+    return _checkpointer.load(state)
+
+
+@hookimpl
+def save_checkpoint(state, step, final):
+    return _checkpointer.save(state, step, final)
+
+
+@hookimpl
+def on_train_end():
+    _checkpointer.wait()
+    dist.barrier()

@@ -1,0 +1,174 @@
+"""What a checkpoint holds: the training state as one flat dict of tensors, and back.
+
+    model.<name>             each parameter, by its canonical name (a DTensor shard under sharded plans)
+    optimizer.<name>.<slot>  the optimizer's per-parameter state (AdamW: step, exp_avg, exp_avg_sq)
+    lr_scheduler.<field>     the scheduler's counters and learning rates
+    dataloader.<field>       the loader's position in the data
+    rng.<device>             random generator states
+    step                     the last step whose update the weights hold
+
+Everything is a tensor, so reading never unpickles anything, and torch.distributed.checkpoint
+reshards the DTensors to whatever plan loads them. Names are canonical (no compile or activation
+checkpointing wrappers) and pipeline stages keep the whole model's names, so every plan writes the
+same keys. The loader's position is a place in one global stream (see titan_core.data), the same on
+every rank, which is why it carries over to any number of data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titan_core import ConfigError
+from titan_core.model import canonical_name
+
+LOAD_FIELD = "plugins.checkpoint.load_path"
+
+
+def model_tensors(model_parts) -> dict[str, torch.Tensor]:
+    return {f"model.{canonical_name(k)}": v for part in model_parts for k, v in part.state_dict().items()}
+
+
+def optimizer_tensors(optimizer, model_parts) -> dict[str, torch.Tensor]:
+    names = {p: canonical_name(n) for part in model_parts for n, p in part.named_parameters()}
+    return {f"optimizer.{names[p]}.{slot}": value for p, slots in optimizer.state.items()
+            for slot, value in slots.items() if isinstance(value, torch.Tensor)}
+
+
+def number_tensors(prefix: str, state: dict) -> dict[str, torch.Tensor]:
+    """A state_dict of numbers, lists of numbers and tensors as tensors (floats kept in float64)."""
+    tensors = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"{prefix}.{key}"] = value
+        elif isinstance(value, (bool, int, float)) or (isinstance(value, list) and value
+                                                       and all(isinstance(v, (int, float)) for v in value)):
+            dtype = torch.float64 if isinstance(value, float) or (isinstance(value, list)
+                                                                  and any(isinstance(v, float) for v in value)) else None
+            tensors[f"{prefix}.{key}"] = torch.tensor(value, dtype=dtype)
+    return tensors
+
+
+def restore_numbers(prefix: str, template: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """The inverse of :func:`number_tensors`, taking each field's Python type from ``template``."""
+    state = dict(template)
+    for key, value in template.items():
+        saved = tensors.get(f"{prefix}.{key}")
+        if saved is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            state[key] = saved
+        elif isinstance(value, list):
+            state[key] = [type(v)(s) for v, s in zip(value, saved.tolist())]
+        else:
+            state[key] = type(value)(saved.item())
+    return state
+
+
+def training_tensors(state) -> dict[str, torch.Tensor]:
+    """The whole TrainState, ready for ``dcp.save``."""
+    tensors = {**model_tensors(state.model_parts), **optimizer_tensors(state.optimizer, state.model_parts),
+               **number_tensors("lr_scheduler", state.lr_scheduler.state_dict()),
+               **number_tensors("dataloader", state.dataloader.state_dict()),
+               "rng.cpu": torch.get_rng_state(), "step": torch.tensor(state.step)}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    return tensors
+
+
+def read_metadata(path) -> dict:
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def check_model_matches(wanted: dict[str, tuple], saved: dict[str, tuple], source, held: set[str]) -> None:
+    """One-line error naming the first model tensor that ``source`` lacks, has extra, or shapes differently.
+
+    ``wanted`` maps this process's model keys to shapes; ``held`` is every key that all ranks together
+    hold (pipeline stages each hold part of the model).
+    """
+    for key, shape in wanted.items():
+        if key not in saved:
+            raise ConfigError(LOAD_FIELD, f"{source} has no tensor {key[len('model.'):]}",
+                              "load a checkpoint of the same model config")
+        if tuple(saved[key]) != tuple(shape):
+            raise ConfigError(LOAD_FIELD, f"tensor {key[len('model.'):]} is {list(saved[key])} in {source} "
+                              f"but {list(shape)} in this model", "load a checkpoint of the same model config")
+    extra = sorted({k for k in saved if k.startswith("model.")} - held)
+    if extra:
+        raise ConfigError(LOAD_FIELD, f"{source} holds tensor {extra[0][len('model.'):]} that this model lacks",
+                          "load a checkpoint of the same model config")
+
+
+def check_loadable(wanted: dict[str, torch.Tensor], saved: dict[str, tuple], source) -> None:
+    """:func:`check_model_matches` for this rank's part of the model, inside a running world."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(wanted))
+    check_model_matches({k: v.shape for k, v in wanted.items()}, saved, source, {k for keys in everyone for k in keys})
+
+
+def dcp_shapes(path) -> tuple[dict, dict[str, tuple]]:
+    """The checkpoint's metadata and its tensors' shapes; refuses a checkpoint holding pickled objects,
+    which loading would have to unpickle."""
+    saved = read_metadata(path)
+    pickled = sorted(k for k, m in saved.items() if not isinstance(m, TensorStorageMetadata))
+    if pickled:
+        raise ConfigError(LOAD_FIELD, f"{path} stores {pickled[0]} as a pickled object, which is never loaded "
+                          "(weights_only)", "load a checkpoint written by titan-checkpoint")
+    return saved, {k: tuple(m.size) for k, m in saved.items()}
+
+
+def copy_into_model(model_parts, tensors: dict[str, torch.Tensor]) -> None:
+    for part in model_parts:
+        part.load_state_dict({k: tensors[f"model.{canonical_name(k)}"] for k in part.state_dict()})
+
+
+def allocate(saved: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """Empty tensors shaped as the checkpoint's entries under ``prefix`` (their sizes vary from run to run)."""
+    return {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(prefix)}
+
+
+def materialize_optimizer_state(optimizer) -> None:
+    """Create the optimizer's state with a zero-gradient, zero-learning-rate step.
+
+    Adam-style optimizers create their state lazily at the first step, and loading in place needs
+    the tensors to exist (in the parameters' own sharding). With lr 0 the weights do not move.
+    """
+    if optimizer.state:
+        return
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, learning_rates):
+        group["lr"] = lr
+
+
+def load_training_state(state, path, model_only: bool) -> int:
+    """Load the checkpoint at ``path`` into ``state`` in place; returns the step it holds (0 if model only)."""
+    saved, shapes = dcp_shapes(path)
+    wanted = model_tensors(state.model_parts)
+    check_loadable(wanted, shapes, path)
+    model_only = model_only or "step" not in saved
+    if not model_only:
+        if any(k.startswith("optimizer.") for k in saved):  # none when saved before the first step
+            materialize_optimizer_state(state.optimizer)
+            wanted.update(optimizer_tensors(state.optimizer, state.model_parts))
+        for prefix in ("lr_scheduler.", "dataloader.", "rng.", "step"):
+            wanted.update(allocate(saved, prefix))
+    dcp.load(wanted, checkpoint_id=str(path))
+    copy_into_model(state.model_parts, wanted)
+    if model_only:
+        return 0
+    state.lr_scheduler.load_state_dict(restore_numbers("lr_scheduler", state.lr_scheduler.state_dict(), wanted))
+    for group, lr in zip(state.optimizer.param_groups, state.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
+    state.dataloader.load_state_dict(restore_numbers("dataloader", state.dataloader.state_dict(), wanted))
+    torch.set_rng_state(wanted["rng.cpu"])
+    if torch.cuda.is_available() and "rng.cuda" in wanted:
+        torch.cuda.set_rng_state(wanted["rng.cuda"])
+    return int(wanted["step"])
