@@ -16,32 +16,31 @@ def _timings(result) -> str:
     return f"first step {times[0]:.1f} s (includes compiling), steady-state median {steady:.2f} s"
 
 
-def test_compiled_blocks_match_eager(titan_reference, tmp_path):
-    result = run_job([*TINY, "+plugins=[compile]"], tmp_path / "run")
+def assert_matches_eager(overrides: list[str], titan_reference, tmp_path):
+    """Run the tiny model with ``overrides``, check it against eager on one process; returns the run."""
+    result = run_job([*TINY, *overrides], tmp_path / "run")
     report = compare(result, titan_reference())
-    print(f"compile: {report}; {_timings(result)}")
+    print(f"{' '.join(overrides)}: {report}; {_timings(result)}")
     assert report.max_loss_diff <= LOSS_TOL
     assert report.max_param_diff <= PARAM_TOL
+    return result
+
+
+def test_compiled_blocks_match_eager(titan_reference, tmp_path):
+    result = assert_matches_eager(["+plugins=[compile]"], titan_reference, tmp_path)
     assert "compile" in result.stdout  # the plan names it
 
 
 def test_compile_composes_with_selective_checkpointing(titan_reference, tmp_path):
     """Compiling a block wrapped for per-op checkpointing: inductor honours the save/recompute policy."""
-    result = run_job([*TINY, "+plugins=[ac,compile]", "plugins.ac.mode=selective_op"], tmp_path / "run")
-    report = compare(result, titan_reference())
-    print(f"compile + ac selective_op: {report}; {_timings(result)}")
-    assert report.max_loss_diff <= LOSS_TOL
-    assert report.max_param_diff <= PARAM_TOL
+    assert_matches_eager(["+plugins=[ac,compile]", "plugins.ac.mode=selective_op"], titan_reference, tmp_path)
 
 
 @pytest.mark.slow
 def test_compile_composes_with_fsdp(titan_reference, tmp_path):
-    result = run_job([*TINY, "+plugins=[fsdp,compile]", "plugins.fsdp.degree=2", "plugins.compile.compile_loss=true"],
-                     tmp_path / "run")
-    report = compare(result, titan_reference())
-    print(f"compile (blocks and loss) + fsdp 2: {report}; {_timings(result)}")
-    assert report.max_loss_diff <= LOSS_TOL
-    assert report.max_param_diff <= PARAM_TOL
+    """Blocks and the loss compiled, under FSDP 2."""
+    result = assert_matches_eager(["+plugins=[fsdp,compile]", "plugins.fsdp.degree=2",
+                                   "plugins.compile.compile_loss=true"], titan_reference, tmp_path)
     assert result.stdout.index("compile") < result.stdout.index("fsdp")  # plan order: stage 500 before 600
 
 
@@ -49,21 +48,13 @@ def test_compile_composes_with_fsdp(titan_reference, tmp_path):
 def test_compile_composes_with_tp(titan_reference, tmp_path):
     """Under tensor parallel the attention and feed-forward are compiled separately (a whole
     parallelized block fails in backward in torch 2.13)."""
-    result = run_job([*TINY, "+plugins=[tp,compile]", "plugins.tp.degree=2"], tmp_path / "run")
-    report = compare(result, titan_reference())
-    print(f"compile + tp 2: {report}; {_timings(result)}")
-    assert report.max_loss_diff <= LOSS_TOL
-    assert report.max_param_diff <= PARAM_TOL
+    assert_matches_eager(["+plugins=[tp,compile]", "plugins.tp.degree=2"], titan_reference, tmp_path)
 
 
 @pytest.mark.slow
 def test_compile_composes_with_pipeline_stages(titan_reference, tmp_path):
-    result = run_job([*TINY, "+plugins=[pp,compile]", "plugins.pp.degree=2", "plugins.pp.schedule=1F1B"],
-                     tmp_path / "run")
-    report = compare(result, titan_reference())
-    print(f"compile + pp 2 (1F1B): {report}; {_timings(result)}")
-    assert report.max_loss_diff <= LOSS_TOL
-    assert report.max_param_diff <= PARAM_TOL
+    assert_matches_eager(["+plugins=[pp,compile]", "plugins.pp.degree=2", "plugins.pp.schedule=1F1B"],
+                         titan_reference, tmp_path)
 
 
 @pytest.mark.parametrize("override, message", [
