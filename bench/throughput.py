@@ -20,10 +20,13 @@ import torch
 from omegaconf import OmegaConf
 
 from titan_core.data import PackedLoader, document_opener, load_tokenizer
-from titan_core.model import Transformer, llama_args
+from titan_core.init import init_weights
+from titan_llama3.model import Transformer
+from titan_llama3.plugin import llama_args, describe
 from titan_core.train import cross_entropy_loss
 
-CONF = Path(__file__).resolve().parents[1] / "titan_core" / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "titan_core" / "conf"
 
 
 def titan_core_run(steps: int, interval: int, run_dir: Path) -> list[dict]:
@@ -36,10 +39,10 @@ def titan_core_run(steps: int, interval: int, run_dir: Path) -> list[dict]:
 def bare_loop(steps: int, interval: int) -> float:
     """The same model, data and optimizer as the default job, written as plainly as possible."""
     config = OmegaConf.load(CONF / "config.yaml")
-    config.model = OmegaConf.load(CONF / "model" / "debug.yaml")
+    config.model = OmegaConf.load(ROOT / "plugins" / "llama3" / "titan_llama3" / "conf" / "model" / "debug.yaml")
     tokenizer = load_tokenizer(config.tokenizer)
     model = Transformer(llama_args(config.model, tokenizer.vocab_size, config.training.seq_len))
-    model.init_weights(0)
+    init_weights(model, describe(model.args), 0)
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                   weight_decay=opt.weight_decay)

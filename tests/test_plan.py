@@ -45,7 +45,7 @@ def test_two_distributions_with_one_plugin_name(tmp_path, fake_plugins):
     result = run_job([*DRY, "+plugins=[fsdp]"], tmp_path, expect_success=False, env=env)
     assert result.returncode == 2
     line = error_line(result)
-    assert "two installed distributions register a plugin named 'fsdp'" in line
+    assert "two installed distributions register 'fsdp' in titan_core.plugins" in line
     assert "titan-fsdp" in line and "impostor" in line
 
 

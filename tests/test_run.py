@@ -12,7 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from titan_core.model import Transformer, llama_args
+from titan_core.init import init_weights
+from titan_llama3.model import Transformer
+from titan_llama3.plugin import llama_args, describe
 from titan_core.testing import TINY, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,9 +90,10 @@ def test_third_party_plugin_installs_and_trains(tmp_path):
     assert "    50  freeze       titan-freeze-example" in result.stdout
     weights = result.final_weights()
 
-    args = llama_args(OmegaConf.load(ROOT / "titan_core" / "conf" / "model" / "tiny.yaml"), 264, 32)
+    args = llama_args(OmegaConf.load(ROOT / "plugins" / "llama3" / "titan_llama3" / "conf" / "model" / "tiny.yaml"),
+                      264, 32)
     initial = Transformer(args)
-    initial.init_weights(seed=0)
+    init_weights(initial, describe(initial.args), 0)
     for name, value in initial.state_dict().items():
         frozen = name.startswith(("tok_embeddings.", "layers.0."))
         assert torch.equal(weights[name], value) == frozen, name
@@ -101,7 +104,7 @@ def test_non_editable_install_runs_with_its_packaged_configs(tmp_path):
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "outputs", "multirun", "*.egg-info",
                                                                  "__pycache__", "build"), symlinks=True)
-    env = install([source, source / "plugins" / "fsdp"], tmp_path / "site")
+    env = install([source, source / "plugins" / "llama3", source / "plugins" / "fsdp"], tmp_path / "site")
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
     completed = subprocess.run([sys.executable, "-c", "import titan_core, sys; print(titan_core.__file__)"],

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from titan_core.data import PackedLoader, document_opener
 from titan_core.hookspecs import hookimpl
-from titan_core.model import Transformer
-
-
-@hookimpl(trylast=True)
-def build_model(model_args):
-    return Transformer(model_args)
 
 
 class ForwardBackward:
@@ -40,6 +36,28 @@ def build_optimizer(model_parts, config):
     opt = config.optimizer
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+@hookimpl(trylast=True)
+def build_lr_scheduler(optimizer, config):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config))
+
+
+def lr_schedule(config):
+    """Linear warm-up to ``optimizer.lr``, then cosine or linear decay to ``min_lr_ratio`` of it."""
+    steps, s = config.training.steps, config.lr_scheduler
+    warmup, floor = s.warmup_steps, s.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        if s.decay == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if s.decay == "linear":
+            return 1 - (1 - floor) * progress
+        return 1.0
+    return factor
 
 
 @hookimpl(trylast=True)

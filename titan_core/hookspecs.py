@@ -4,15 +4,21 @@ A plugin is a module (or an instance) registered under the entry-point group ``t
 It implements any subset of the hooks below with ``@titan_core.hookimpl``; an implementation may take
 any subset of a hook's arguments, by name.
 
-Three kinds of hooks, and who decides the order:
+The kinds of hooks, and who decides the order:
 
+* Models (``describe_model``, ``build_model``) are implemented by the one model plugin that
+  ``model.name`` chooses (entry-point group ``titan_core.models``); see :mod:`titan_core.description`.
 * Planning (``declare``, ``validate``) runs in the launching process before any worker starts.
 * Ordered transforms (``apply_parallelism``, ``wrap_loss``) run once per enabled plugin, in the plan's order
   (stage, then name), which the core computes from the declarations. pluggy's own LIFO order is not
   used for these, so that "PP, then TP, then CP, then AC, then compile, then FSDP" holds whatever the
   command-line order.
 * Builders (``firstresult``) where one answer is needed: the core ships a default for each and fails
-  before launch if two enabled plugins implement the same one. Events are broadcast to every plugin.
+  before launch if two enabled plugins implement the same one.
+* Events and contexts are called for every enabled plugin in plan order, then the model plugin.
+
+Every hook may take ``plugin_config``: the calling plugin's own options (``config.plugins.<name>``, or
+``config.model`` for the model plugin), so no plugin needs to know the name it was installed under.
 """
 
 from __future__ import annotations
@@ -30,21 +36,48 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def declare(config, plugin_config):
-    """Say what this plugin contributes, before anything is built.
+    """Say what this plugin contributes, before anything is built. Optional: a plugin without it adds nothing
+    to the plan's order or mesh.
 
-    Called once per enabled plugin with the whole job config and the plugin's own node
-    (``config.plugins.<name>``). Returns a :class:`titan_core.plan.Declaration`: the stage of its
-    model transform (or None), the mesh dimensions and degrees it needs, the capabilities it provides
-    (unique among enabled plugins) and those it requires from others.
+    Called once per enabled plugin, in the launcher and in every worker. Returns a
+    :class:`titan_core.plan.Declaration`: the stage of its model transform (or None), the mesh dimensions
+    and degrees it needs, the capabilities (:mod:`titan_core.capabilities`) it provides (unique among
+    enabled plugins) and those it requires from others.
     """
 
 
 @hookspec
 def validate(config, plugin_config, plan):
-    """Check this plugin's options against the whole job before any worker starts.
+    """Check this plugin's options against the whole job and the model before any worker starts.
 
-    Called once per enabled plugin after the plan (mesh shape, world size, order) is known. Raise
-    :class:`titan_core.errors.ConfigError` naming the offending field and the fix; return nothing.
+    Called once per enabled plugin after the plan (mesh shape, world size, order, ``plan.model``: the
+    model's :class:`titan_core.description.ModelDescription`) is known. Raise
+    :class:`titan_core.errors.ConfigError` naming the offending field and the fix, in particular when the
+    model's description lacks what this plugin needs; return nothing.
+    """
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models: the model plugin named by ``model.name``.
+
+
+@hookspec(firstresult=True)
+def describe_model(model_config, vocab_size, seq_len):
+    """Check the model's options and describe the model, without building it.
+
+    Called in the launcher and in every worker with ``config.model`` (the model's own schema: unknown
+    fields are this hook's to refuse), the tokenizer's vocabulary size and the training sequence length.
+    Returns a :class:`titan_core.description.ModelDescription`; raises ConfigError for bad options.
+    """
+
+
+@hookspec(firstresult=True)
+def build_model(description):
+    """Build the model that ``description`` describes (``description.args`` are its options).
+
+    Called once per worker under ``torch.device("meta")``: allocate nothing, initialize nothing (the core
+    initializes each shard later by ``description.param_init``). Returns the root ``nn.Module``; its
+    ``forward(tokens) -> logits`` must skip the ``inputs``/``outputs`` modules a pipeline stage set to None.
     """
 
 
@@ -52,18 +85,8 @@ def validate(config, plugin_config, plan):
 # Building: in every worker, in this order.
 
 
-@hookspec(firstresult=True)
-def build_model(config, model_args):
-    """Build the model on the meta device (the core enters ``torch.device("meta")`` around the call).
-
-    ``model_args`` are the core's resolved :class:`titan_core.model.LlamaArgs`. Returns an ``nn.Module``
-    that follows the core's model protocol (``layers`` as a ModuleDict of blocks, ``init_weights(seed)``),
-    or None to leave it to the next implementation; the core's Llama is the default.
-    """
-
-
 @hookspec
-def convert_float8(model, config):
+def convert_float8(model, config, plugin_config, plan):
     """Swap modules for low-precision training versions, on the meta model, before any parallelism.
 
     Runs once after ``build_model`` in every enabled plugin that implements it; changes ``model`` in
@@ -78,13 +101,24 @@ def apply_parallelism(model_parts, mesh, config, plugin_config, plan):
     Called once per enabled plugin that declared a stage, in plan order, on the meta model before
     its weights exist. ``model_parts`` is the list of modules this rank holds (one, unless a pipeline
     plugin split the model); ``plan`` is the validated :class:`titan_core.plan.Plan` (what the other
-    enabled plugins provide); ``mesh`` is the :class:`titan_core.mesh.ParallelMesh`. Returns a new list
-    of model parts when the plugin replaced them (pipeline stages), else None (changed in place).
+    enabled plugins provide; ``plan.model`` describes the model); ``mesh`` is the
+    :class:`titan_core.mesh.ParallelMesh`. Returns a new list of model parts when the plugin replaced
+    them (pipeline stages), else None (changed in place).
     """
 
 
 @hookspec
-def wrap_loss(loss_fn, config):
+def after_init(model_parts, mesh, config, plugin_config, plan):
+    """Work on the model once its weights exist: materialized on the device and initialized.
+
+    Called once per worker, in plan order, before the schedule, optimizer and checkpoint are built, for
+    what cannot be done on meta parameters (e.g. wrapping in ``DistributedDataParallel``, or loading
+    weights from elsewhere). Returns a new list of model parts, or None when it changed them in place.
+    """
+
+
+@hookspec
+def wrap_loss(loss_fn, config, plugin_config, plan):
     """Return a replacement for the loss function ``loss_fn(logits, labels) -> scalar``, or None.
 
     Called once per worker before ``build_schedule``, for each enabled plugin in plan order, each
@@ -93,7 +127,7 @@ def wrap_loss(loss_fn, config):
 
 
 @hookspec(firstresult=True)
-def build_schedule(model_parts, mesh, config, loss_fn):
+def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
     """Build what runs forward and backward of one micro-batch, after weights are initialized.
 
     Returns an object with ``run(inputs, labels) -> loss | None``: it must call backward on
@@ -104,12 +138,22 @@ def build_schedule(model_parts, mesh, config, loss_fn):
 
 
 @hookspec(firstresult=True)
-def build_optimizer(model_parts, config):
+def build_optimizer(model_parts, config, plugin_config):
     """Build the optimizer over all parameters of ``model_parts``; the core's default is AdamW."""
 
 
 @hookspec(firstresult=True)
-def build_dataloader(config, tokenizer, dp_rank, dp_size):
+def build_lr_scheduler(optimizer, config, plugin_config):
+    """Build the learning-rate scheduler stepped once after every optimizer step.
+
+    Returns a ``torch.optim.lr_scheduler.LRScheduler`` (its ``state_dict`` is checkpointed). The core's
+    default warms up linearly, then decays by ``config.lr_scheduler``. The learning rate logged for a
+    step is the one the optimizer used, whoever set it.
+    """
+
+
+@hookspec(firstresult=True)
+def build_dataloader(config, tokenizer, dp_rank, dp_size, plugin_config):
     """Build the training batches for this data-parallel rank.
 
     Returns an iterator of ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows of
@@ -123,7 +167,7 @@ def build_dataloader(config, tokenizer, dp_rank, dp_size):
 
 
 @hookspec
-def batch_context(inputs, labels, model_parts, mesh, config):
+def batch_context(inputs, labels, model_parts, mesh, config, plugin_config, plan):
     """Return a context manager to enter around forward and backward of one micro-batch, or None.
 
     Called per micro-batch in every plugin that implements it. A context may reshard the batch
@@ -132,15 +176,15 @@ def batch_context(inputs, labels, model_parts, mesh, config):
 
 
 @hookspec
-def after_optimizer_step(model_parts, config, step):
-    """Event: the optimizer has just updated the weights of ``step``; returns nothing.
+def after_optimizer_step(model_parts, optimizer, config, step, plugin_config):
+    """Event: ``optimizer`` has just updated the weights of ``step``; returns nothing.
 
     For work that must follow every weight update, such as precomputing float8 scales.
     """
 
 
 @hookspec
-def on_step_end(step, metrics, config):
+def on_step_end(step, metrics, config, plugin_config):
     """Event: ``step`` has finished; ``metrics`` is a dict of the values logged for it, on every rank.
 
     ``metrics`` is empty on steps that were not logged. Returns nothing.
@@ -152,7 +196,7 @@ def on_step_end(step, metrics, config):
 
 
 @hookspec(firstresult=True)
-def load_checkpoint(state, config, run_dir):
+def load_checkpoint(state, config, run_dir, plugin_config, plan):
     """Restore ``state`` (a :class:`titan_core.train.TrainState`) in place before the first step.
 
     Called once per worker after everything is built; ``run_dir`` is the job's run dir, the same on
@@ -163,7 +207,7 @@ def load_checkpoint(state, config, run_dir):
 
 
 @hookspec(firstresult=True)
-def save_checkpoint(state, step, config, final):
+def save_checkpoint(state, step, config, final, plugin_config):
     """Save ``state`` after ``step``'s optimizer step, if this plugin's policy says so.
 
     Called on every rank after each step but the last with ``final=False``, then once after the loop
@@ -173,5 +217,5 @@ def save_checkpoint(state, step, config, final):
 
 
 @hookspec
-def on_train_end(state, config):
+def on_train_end(state, config, plugin_config):
     """Event: the last step has run and its checkpoint hook returned; returns nothing."""

@@ -89,7 +89,8 @@ class MetricsLogger:
         tokens_per_s = self.tokens_per_step / step_time
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
         metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
-                   "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+                   "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
+                   "tflops_per_device": tflops,
                    "memory_gib": memory_gib(self.device)}
         if self.peak:
             metrics["mfu"] = tflops / self.peak
@@ -100,9 +101,11 @@ class MetricsLogger:
 
     def _write(self, m: dict, eta_s: float) -> None:
         mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
-        log.info("step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.0f tok/s | %.3g TFLOPS%s | mem %.2f GiB | eta %s",
-                 m["step"], self.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
-                 m["tflops_per_device"], mfu, m["memory_gib"], _duration(eta_s))
+        # Per device first, as published tables quote it (TPS/GPU); the job's total beside it.
+        log.info("step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total) | "
+                 "%.3g TFLOPS/device%s | mem %.2f GiB | eta %s",
+                 m["step"], self.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
+                 m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], _duration(eta_s))
         self.jsonl.write(json.dumps(m) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:

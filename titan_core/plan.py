@@ -16,25 +16,29 @@ import pluggy
 import torch
 
 from titan_core import defaults, hookspecs
+from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
 
 PLUGIN_GROUP = "titan_core.plugins"
+MODEL_GROUP = "titan_core.models"
 CONF_GROUP = "titan_core.conf"
+DEFAULTS = "titan_core.defaults"
 # Every plugin option file carries this key, so that nodes made by `++plugins.x.y=...` are told apart.
 PLUGIN_MARKER = "_plugin_"
 # Outermost first: pipeline stages span the slowest links, tensor parallel the fastest.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-BUILDER_HOOKS = ("build_model", "build_schedule", "build_optimizer", "build_dataloader",
-                 "save_checkpoint", "load_checkpoint")
+BUILDER_HOOKS = ("describe_model", "build_model", "build_schedule", "build_optimizer", "build_lr_scheduler",
+                 "build_dataloader", "save_checkpoint", "load_checkpoint")
 
 
 @dataclass(frozen=True)
 class Declaration:
     """What one plugin contributes; returned by its ``declare`` hook.
 
-    ``stage`` orders model transforms (lower first; the first-party plugins use pp 100, tp 200,
-    cp 300, ac 400, compile 500, fsdp 600, leaving gaps for others). ``mesh`` maps mesh dimensions
-    (see ``MESH_DIMS``) to degrees; -1 means "all ranks the other dimensions leave".
+    ``stage`` orders model transforms (lower first; docs/architecture.md lists the first-party plugins'
+    stages, which leave gaps for others). ``mesh`` maps mesh dimensions (see ``MESH_DIMS``) to degrees;
+    -1 means "all ranks the other dimensions leave". ``provides`` and ``requires`` name capabilities
+    (:mod:`titan_core.capabilities`).
     """
 
     stage: int | None = None
@@ -55,6 +59,11 @@ class Plan:
     plugins: tuple[PlannedPlugin, ...]  # in transform order: stage, then name
     mesh_shape: Mapping[str, int]  # declared dimensions only, in MESH_DIMS order
     world_size: int
+    model: ModelDescription
+
+    def provides(self, capability: str) -> bool:
+        """Whether some enabled plugin provides ``capability``."""
+        return any(capability in p.declaration.provides for p in self.plugins)
 
     @property
     def names(self) -> list[str]:
@@ -69,7 +78,7 @@ class Plan:
 
     def describe(self) -> str:
         shape = " x ".join(f"{d} {n}" for d, n in self.mesh_shape.items()) or "single process"
-        lines = [f"titan-core plan: world {self.world_size} = {shape}"]
+        lines = [f"titan-core plan: world {self.world_size} = {shape}; model {self.model.family}"]
         for p in self.plugins:
             d = p.declaration
             stage = "   -" if d.stage is None else f"{d.stage:4d}"
@@ -85,13 +94,22 @@ def installed_plugins() -> dict[str, EntryPoint]:
 
     pluggy's own loader would silently keep the first of two, so the core checks this itself.
     """
+    return _entry_points(PLUGIN_GROUP, "plugins")
+
+
+def installed_models() -> dict[str, EntryPoint]:
+    """Entry points of ``titan_core.models`` by name (the ``model.name`` that selects each)."""
+    return _entry_points(MODEL_GROUP, "model")
+
+
+def _entry_points(group: str, field_prefix: str) -> dict[str, EntryPoint]:
     found: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=PLUGIN_GROUP):
+    for ep in entry_points(group=group):
         other = found.get(ep.name)
         if other is not None and other.value != ep.value:
             raise ConfigError(
-                f"plugins.{ep.name}",
-                f"two installed distributions register a plugin named '{ep.name}' "
+                f"{field_prefix}.{ep.name}",
+                f"two installed distributions register '{ep.name}' in {group} "
                 f"({_dist_name(other)}: {other.value}; {_dist_name(ep)}: {ep.value})",
                 "uninstall one of them (pip uninstall ...)")
         found[ep.name] = ep
@@ -132,23 +150,74 @@ def enabled_plugin_names(config) -> list[str]:
     return names
 
 
-def plugin_manager(config) -> pluggy.PluginManager:
-    """A plugin manager holding the core defaults and every enabled plugin, loaded by entry point."""
+def model_name(config) -> str:
+    """The model plugin ``config.model.name`` selects, checked to be installed."""
+    name = (config.get("model") or {}).get("name")
+    installed = installed_models()
+    if name not in installed:
+        known = ", ".join(sorted(installed)) or "none"
+        raise ConfigError("model.name", f"no installed model plugin is named '{name}' (installed: {known})",
+                          "pick a model preset with model=<preset>, or install the model's distribution")
+    return name
+
+
+def model_description(config, vocab_size: int) -> ModelDescription:
+    """The description of ``config.model`` by its model plugin alone, for tools that train nothing."""
+    return _model_manager(config).hook.describe_model(model_config=config.model, vocab_size=vocab_size,
+                                                      seq_len=config.training.seq_len)
+
+
+def build_meta_model(config, description: ModelDescription) -> torch.nn.Module:
+    """The described model on the meta device, built by its model plugin alone (for shape checks)."""
+    with torch.device("meta"):
+        return _model_manager(config).hook.build_model(description=description)
+
+
+def _model_manager(config) -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    pm.register(defaults, name="titan_core.defaults")
+    pm.register(installed_models()[model_name(config)].load())
+    return pm
+
+
+def plugin_manager(config) -> pluggy.PluginManager:
+    """A plugin manager holding the core defaults, the model plugin and every enabled plugin.
+
+    A hook implementation whose name or arguments the contract does not know is an error here, before
+    anything runs: a misspelled hook would otherwise never be called.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(defaults, name=DEFAULTS)
+    model = model_name(config)
+    _register(pm, installed_models()[model].load(), model, "model.name")
     installed = installed_plugins()
     for name in enabled_plugin_names(config):
         check_plugin_names([name])
-        pm.register(installed[name].load(), name=name)
+        _register(pm, installed[name].load(), name, f"plugins.{name}")
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as error:
+        name = pm.get_name(error.plugin)
+        raise ConfigError("model.name" if name == model else f"plugins.{name}",
+                          f"{error}".splitlines()[0].split(" in plugin ")[0],
+                          "rename the function to one of the hooks in titan_core.hookspecs") from None
     for hook_name in BUILDER_HOOKS:
         owners = [impl.plugin_name for impl in getattr(pm.hook, hook_name).get_hookimpls()
-                  if impl.plugin_name != "titan_core.defaults"]
+                  if impl.plugin_name != DEFAULTS]
         if len(owners) > 1:
             raise ConfigError(f"plugins=[{','.join(owners)}]",
                               f"each of {', '.join(owners)} implements {hook_name}, which needs one answer",
                               "enable only one of them")
     return pm
+
+
+def _register(pm: pluggy.PluginManager, plugin, name: str, field_name: str) -> None:
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as error:
+        raise ConfigError(field_name, f"plugin '{name}' does not fit the hook contract: {error}",
+                          "fix the hook implementation's arguments (see titan_core.hookspecs)") from None
 
 
 def call_plugin(pm: pluggy.PluginManager, hook_name: str, plugin: str, **kwargs):
@@ -159,16 +228,50 @@ def call_plugin(pm: pluggy.PluginManager, hook_name: str, plugin: str, **kwargs)
     return None
 
 
-def build_plan(config, pm: pluggy.PluginManager, world_size: int | None) -> Plan:
-    """Collect the declarations, order them, size the mesh and check conflicts.
+class Hooks:
+    """Calls hooks the core's way: each plugin with its own options, in plan order.
+
+    ``each`` calls every enabled plugin in plan order, then the model plugin, and returns their
+    non-None answers; ``first`` calls the one plugin that implements a builder hook, else the core's
+    default.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager, plan: Plan, config):
+        self.pm, self.plan = pm, plan
+        self.options = {p.name: config.plugins[p.name] for p in plan.plugins}
+        self.options[config.model.name] = config.model
+        self.options[DEFAULTS] = None
+        self.order = [*(p.name for p in plan.plugins), config.model.name]
+
+    def call(self, plugin: str, hook_name: str, **kwargs):
+        """``plugin``'s implementation of the hook with its own options, or None when it has none."""
+        return call_plugin(self.pm, hook_name, plugin, plugin_config=self.options[plugin], plan=self.plan, **kwargs)
+
+    def each(self, hook_name: str, **kwargs) -> list:
+        return [answer for name in self.order if (answer := self.call(name, hook_name, **kwargs)) is not None]
+
+    def first(self, hook_name: str, **kwargs):
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        owner = next((i.plugin_name for i in impls if i.plugin_name != DEFAULTS), DEFAULTS if impls else None)
+        return None if owner is None else self.call(owner, hook_name, **kwargs)
+
+
+def build_plan(config, pm: pluggy.PluginManager, world_size: int | None, vocab_size: int) -> Plan:
+    """Describe the model, collect the declarations, order them, size the mesh and check conflicts.
 
     ``world_size`` is the given world under torchrun, else None: then a degree of -1 fills
     ``launch.world_size``, or all local GPUs, and otherwise the world is what the degrees multiply to.
     """
+    description = pm.hook.describe_model(model_config=config.model, vocab_size=vocab_size,
+                                         seq_len=config.training.seq_len)
+    if not isinstance(description, ModelDescription):
+        raise ConfigError("model.name", f"model plugin '{config.model.name}' did not describe its model",
+                          "its describe_model hook must return a titan_core.description.ModelDescription")
     planned = []
     installed = installed_plugins()
     for name in enabled_plugin_names(config):
         declaration = call_plugin(pm, "declare", name, config=config, plugin_config=config.plugins[name])
+        declaration = Declaration() if declaration is None and not _implements(pm, "declare", name) else declaration
         if not isinstance(declaration, Declaration):
             raise ConfigError(f"plugins.{name}", "its declare hook did not return a titan_core.plan.Declaration",
                               "fix the plugin's declare hook")
@@ -177,10 +280,14 @@ def build_plan(config, pm: pluggy.PluginManager, world_size: int | None) -> Plan
 
     _check_capabilities(planned)
     mesh_shape = _mesh_shape(planned, world_size, config.launch.get("world_size"))
-    plan = Plan(tuple(planned), mesh_shape, math.prod(mesh_shape.values()))
+    plan = Plan(tuple(planned), mesh_shape, math.prod(mesh_shape.values()), description)
     for p in planned:
         call_plugin(pm, "validate", p.name, config=config, plugin_config=config.plugins[p.name], plan=plan)
     return plan
+
+
+def _implements(pm: pluggy.PluginManager, hook_name: str, plugin: str) -> bool:
+    return any(impl.plugin_name == plugin for impl in getattr(pm.hook, hook_name).get_hookimpls())
 
 
 def _check_capabilities(planned: list[PlannedPlugin]) -> None:

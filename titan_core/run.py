@@ -20,7 +20,6 @@ from omegaconf import OmegaConf
 
 from titan_core.data import check_documents, load_tokenizer
 from titan_core.errors import ConfigError
-from titan_core.model import llama_args
 from titan_core.plan import Plan, build_plan, check_plugin_names, plugin_manager
 from titan_core.searchpath import PluginConfigSearchPath
 
@@ -60,15 +59,14 @@ def check_job(config, plan: Plan) -> None:
     if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")
-    tokenizer = load_tokenizer(config.tokenizer)
-    llama_args(config.model, tokenizer.vocab_size, training.seq_len)
     check_documents(config.data)
 
 
 def prepare(config) -> Plan:
     """Validate everything and return the plan; raises ConfigError on bad input."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
-    plan = build_plan(config, plugin_manager(config), world_size)
+    vocab_size = load_tokenizer(config.tokenizer).vocab_size
+    plan = build_plan(config, plugin_manager(config), world_size, vocab_size)
     check_job(config, plan)
     return plan
 

@@ -11,10 +11,15 @@ installing titan-core::
     def test_my_plugin(titan_parity):
         report = titan_parity(["+plugins=[fsdp,myplugin]", "plugins.fsdp.degree=2"])
         assert report.max_loss_diff <= 1e-5
+
+A model plugin proves itself with the conformance kit, one line in its tests (see docs/writing-models.md)::
+
+    test_my_model = model_conformance(["model=my_model_tiny"])
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,11 +42,13 @@ class JobResult:
     returncode: int
     stdout: str
     stderr: str
+    after_step: int = 0  # only the steps after this one count (a run seen from a checkpoint)
 
     @property
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        logged = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [m for m in logged if m["step"] > self.after_step]
 
     @property
     def losses(self) -> list[float]:
@@ -62,10 +69,21 @@ class JobResult:
         return merged
 
 
+def merged(*groups) -> list[str]:
+    """The overrides of ``groups`` in order, a later ``key=value`` replacing an earlier one of the same key
+    (Hydra refuses a key given twice, e.g. ``model=tiny`` from TINY and ``model=gpt2_tiny``)."""
+    by_key: dict[str, str] = {}
+    for override in (o for group in groups for o in group):
+        key = override.split("=", 1)[0] if "=" in override and override[0] not in "+~" else override
+        by_key.pop(key, None)
+        by_key[key] = override
+    return list(by_key.values())
+
+
 def run_job(overrides, run_dir: Path, *, expect_success: bool = True, env: dict | None = None,
             timeout: float = 900) -> JobResult:
     """Run ``python -m titan_core.run`` with ``overrides`` writing into ``run_dir``."""
-    command = [sys.executable, "-m", "titan_core.run", *overrides, f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, "-m", "titan_core.run", *merged(overrides), f"hydra.run.dir={run_dir}"]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                                env={**os.environ, **(env or {})})
     result = JobResult(Path(run_dir), completed.returncode, completed.stdout, completed.stderr)
@@ -82,26 +100,34 @@ def error_line(result: JobResult) -> str:
     return lines[0]
 
 
-def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distribution: str = "test-plugins") -> dict:
-    """Install throwaway plugins for a test: ``{name: (module_source, options_yaml)}`` as one distribution.
+def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distribution: str = "test-plugins",
+                    models: dict[str, tuple[str, dict[str, str]]] | None = None) -> dict:
+    """Install throwaway plugins for a test: ``{name: (module_source, options_yaml)}`` as one distribution,
+    and model plugins ``{name: (module_source, {preset: preset_yaml})}`` beside them.
 
-    Writes dist-info metadata with both entry points, one module per plugin and its option file into
-    the folder ``site``; returns the environment that puts them on the path of a ``run_job``.
+    Writes dist-info metadata with the entry points, one module per plugin and its option or preset files
+    into the folder ``site``; returns the environment that puts them on the path of a ``run_job``.
     """
-    dist = site / f"{distribution.replace('-', '_')}-0.0.0.dist-info"
+    package = distribution.replace("-", "_")
+    dist = site / f"{package}-0.0.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.0.0\n")
-    plugin_points, conf_points = ["[titan_core.plugins]"], ["[titan_core.conf]"]
-    for name, (source, options) in plugins.items():
-        module = f"{distribution.replace('-', '_')}_{name}"
+    points = {"titan_core.plugins": [], "titan_core.models": [], "titan_core.conf": []}
+    configs = {name: (source, "plugins", {name: f"{name}:\n  _plugin_: {name}\n{textwrap.indent(options, '  ')}"})
+               for name, (source, options) in plugins.items()}
+    configs |= {name: (source, "model", presets) for name, (source, presets) in (models or {}).items()}
+    for name, (source, group, files) in configs.items():
+        module = f"{package}_{name}"
         (site / f"{module}.py").write_text(textwrap.dedent(source))
-        conf = site / f"{module}_conf" / "plugins"
+        conf = site / f"{module}_conf" / group
         conf.mkdir(parents=True)
         (conf.parent / "__init__.py").write_text("")
-        (conf / f"{name}.yaml").write_text(f"{name}:\n  _plugin_: {name}\n{textwrap.indent(options, '  ')}")
-        plugin_points.append(f"{name} = {module}")
-        conf_points.append(f"{name} = {module}_conf")
-    (dist / "entry_points.txt").write_text("\n".join(plugin_points + [""] + conf_points) + "\n")
+        for file, body in files.items():
+            (conf / f"{file}.yaml").write_text(textwrap.dedent(body))
+        points["titan_core.plugins" if group == "plugins" else "titan_core.models"].append(f"{name} = {module}")
+        points["titan_core.conf"].append(f"{name} = {module}_conf")
+    (dist / "entry_points.txt").write_text("".join(f"[{group}]\n" + "".join(f"{line}\n" for line in lines) + "\n"
+                                                   for group, lines in points.items() if lines))
     return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -155,3 +181,72 @@ def titan_parity(titan_reference, tmp_path):
         print(f"parity {' '.join(overrides)}: {report}")
         return report
     return parity
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model conformance kit: every first-party plugin against the model's own single-process run.
+
+LOSS_TOL = 1e-5
+# An Adam step moves each weight by about lr (1e-3 in TINY) whatever its gradient's size, so a wrong gradient
+# shows as ~1e-3 in the weights; 1e-4 is 10x below that and far above fp32 reduction-order noise.
+PARAM_TOL = 1e-4
+# Float8 matmuls round every operand to 3 mantissa bits. Measured over 5 steps of the tiny models: losses
+# 8.7e-4 (GPT-2), 3.4e-3 (Qwen3), weights <= 5.9e-3. A wrong scale or a dropped cast moves the loss by > 0.1.
+FLOAT8_LOSS_TOL, FLOAT8_PARAM_TOL = 1e-2, 3e-2
+CHECKPOINT_STEP = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    overrides: tuple[str, ...]
+    loss_tol: float = LOSS_TOL
+    param_tol: float = PARAM_TOL
+    must_differ: bool = False  # float8: an exact match would mean nothing was converted
+
+
+CONFORMANCE = {
+    "fsdp2": Case(("+plugins=[fsdp]", "plugins.fsdp.degree=2")),
+    "tp2-sp-lossparallel": Case(("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=true",
+                                 "plugins.tp.loss_parallel=true")),
+    "cp2": Case(("+plugins=[cp]", "plugins.cp.degree=2")),
+    "pp2-gpipe": Case(("+plugins=[pp]", "plugins.pp.degree=2", "plugins.pp.schedule=GPipe")),
+    "pp2-interleaved1f1b": Case(("+plugins=[pp]", "plugins.pp.degree=2", "plugins.pp.schedule=Interleaved1F1B")),
+    "ac-full": Case(("+plugins=[ac]", "plugins.ac.mode=full")),
+    "ac-selective-op": Case(("+plugins=[ac]", "plugins.ac.mode=selective_op")),
+    "compile": Case(("+plugins=[compile]",)),
+    "float8": Case(("+plugins=[float8]",), FLOAT8_LOSS_TOL, FLOAT8_PARAM_TOL, must_differ=True),
+    # Saved under fsdp 2 after step 3, resumed in one process: the last steps must continue the reference.
+    "checkpoint-fsdp2-to-one": Case(("+plugins=[fsdp,checkpoint]", "plugins.fsdp.degree=2",
+                                     f"plugins.checkpoint.interval={CHECKPOINT_STEP}")),
+}
+
+
+def model_conformance(model_overrides, cases=None):
+    """A pytest test running the conformance matrix on the model that ``model_overrides`` select.
+
+    Assign it in a test module: ``test_my_model = model_conformance(["model=my_model_tiny"])``. Each case
+    trains the tiny job under one plugin stack and compares every step's loss and the final weights with
+    the same model in one process; ``cases`` picks a subset of :data:`CONFORMANCE` by name.
+    """
+    chosen = {name: CONFORMANCE[name] for name in (cases or CONFORMANCE)}
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", list(chosen))
+    def test_model_conformance(case, titan_reference, tmp_path):
+        spec, reference = chosen[case], titan_reference(tuple(model_overrides))
+        result = run_job([*TINY, *model_overrides, *spec.overrides], tmp_path / "run")
+        if case.startswith("checkpoint"):
+            saved = tmp_path / "run" / "checkpoints" / f"step-{CHECKPOINT_STEP}"
+            result = run_job([*TINY, *model_overrides, "+plugins=[checkpoint]",
+                              f"plugins.checkpoint.load_path={saved}"], tmp_path / "resumed")
+            steps = [m["step"] for m in result.metrics]
+            assert steps == list(range(CHECKPOINT_STEP + 1, len(reference.losses) + 1)), steps
+            reference = dataclasses.replace(reference, after_step=CHECKPOINT_STEP)
+        report = compare(result, reference)
+        print(f"conformance {' '.join(model_overrides)} {case}: {report}")
+        assert report.max_loss_diff <= spec.loss_tol, report
+        assert report.max_param_diff <= spec.param_tol, report
+        if spec.must_differ:
+            assert report.max_loss_diff > 0, "bit-identical to fp32: nothing was converted"
+    return test_model_conformance
+

@@ -24,8 +24,8 @@ from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
 from titan_core.mesh import ParallelMesh, device_for_rank
 from titan_core.metrics import MetricsLogger
-from titan_core.model import llama_args
-from titan_core.plan import Plan, build_plan, call_plugin, plugin_manager
+from titan_core.init import init_weights
+from titan_core.plan import Hooks, build_plan, plugin_manager
 
 log = logging.getLogger("titan_core")
 
@@ -57,8 +57,9 @@ def train(config, run_dir: Path) -> None:
                             device_id=device if device.type == "cuda" else None)
     try:
         pm = plugin_manager(config)
-        plan = build_plan(config, pm, world_size)
-        _train(config, run_dir, pm, plan, device, rank)
+        tokenizer = load_tokenizer(config.tokenizer)
+        plan = build_plan(config, pm, world_size, tokenizer.vocab_size)
+        _train(config, run_dir, Hooks(pm, plan, config), tokenizer, device, rank)
     except (ConfigError, FloatingPointError) as error:
         # Bad input found only once the model exists, or a diverged run: one line, not a traceback.
         kind, code = ("error", 2) if isinstance(error, ConfigError) else ("stopped", 1)
@@ -84,45 +85,45 @@ def _rendezvous_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: int) -> None:
-    training = config.training
+def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device, rank: int) -> None:
+    training, plan = config.training, hooks.plan
     torch.manual_seed(training.seed)
     if training.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     mesh = ParallelMesh(plan.mesh_shape, device.type)
 
-    tokenizer = load_tokenizer(config.tokenizer)
-    args = llama_args(config.model, tokenizer.vocab_size, training.seq_len)
     with torch.device("meta"):
-        model = pm.hook.build_model(config=config, model_args=args)
-    pm.hook.convert_float8(model=model, config=config)
+        model = hooks.first("build_model", description=plan.model)
+    hooks.each("convert_float8", model=model, config=config)
     model_parts = [model]
     for plugin in plan.plugins:
         if plugin.declaration.stage is not None:
-            model_parts = call_plugin(pm, "apply_parallelism", plugin.name, model_parts=model_parts, mesh=mesh,
-                                      config=config, plugin_config=config.plugins[plugin.name],
-                                      plan=plan) or model_parts
+            model_parts = hooks.call(plugin.name, "apply_parallelism", model_parts=model_parts, mesh=mesh,
+                                     config=config) or model_parts
     for part in model_parts:
         part.to_empty(device=device)
-        part.init_weights(training.seed)
+        init_weights(part, plan.model, training.seed)
+    for name in hooks.order:
+        model_parts = hooks.call(name, "after_init", model_parts=model_parts, mesh=mesh, config=config) or model_parts
     local_params = sum(_local(p).numel() for part in model_parts for p in part.parameters())
     log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
              rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
 
     loss_fn = cross_entropy_loss
-    for plugin in plan.plugins:
-        loss_fn = call_plugin(pm, "wrap_loss", plugin.name, loss_fn=loss_fn, config=config) or loss_fn
-    schedule = pm.hook.build_schedule(model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
-    optimizer = pm.hook.build_optimizer(model_parts=model_parts, config=config)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config))
+    for name in hooks.order:
+        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, config=config) or loss_fn
+    schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
+    optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
+    lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
     dp_rank = mesh.local_rank("dp_replicate", "dp_shard")
-    dataloader = pm.hook.build_dataloader(config=config, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=plan.dp_size)
+    dataloader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
+                             dp_size=plan.dp_size)
     state = TrainState(model_parts, optimizer, lr_scheduler, dataloader)
-    state.step = pm.hook.load_checkpoint(state=state, config=config, run_dir=run_dir) or 0
+    state.step = hooks.first("load_checkpoint", state=state, config=config, run_dir=run_dir) or 0
 
     metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
-                            model_parts[0].flops_per_token(training.seq_len), first_step=state.step)
+                            plan.model.flops_per_token(training.seq_len), first_step=state.step)
     while state.step < training.steps:
         state.step += 1
         inputs, labels = next(dataloader)
@@ -132,8 +133,8 @@ def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: in
                                               labels.chunk(training.grad_accum_steps)):
             micro_inputs, micro_labels = micro_inputs.to(device), micro_labels.to(device)
             with contextlib.ExitStack() as contexts:
-                for context in pm.hook.batch_context(inputs=micro_inputs, labels=micro_labels,
-                                                     model_parts=model_parts, mesh=mesh, config=config):
+                for context in hooks.each("batch_context", inputs=micro_inputs, labels=micro_labels,
+                                          model_parts=model_parts, mesh=mesh, config=config):
                     contexts.enter_context(context)
                 loss = schedule.run(micro_inputs, micro_labels)
             if loss is not None:
@@ -145,17 +146,18 @@ def _train(config, run_dir: Path, pm, plan: Plan, device: torch.device, rank: in
                                      "the optimizer step, so no checkpoint holds these weights; lower optimizer.lr "
                                      "or check the data")
         optimizer.step()
-        lr = lr_scheduler.get_last_lr()[0]
+        lr = optimizer.param_groups[0]["lr"]  # what this step used, whoever set it
         lr_scheduler.step()
-        pm.hook.after_optimizer_step(model_parts=model_parts, config=config, step=state.step)
+        hooks.each("after_optimizer_step", model_parts=model_parts, optimizer=optimizer, config=config,
+                   step=state.step)
         logged = metrics.step(state.step, loss, grad_norm, lr)
-        pm.hook.on_step_end(step=state.step, metrics=logged, config=config)
+        hooks.each("on_step_end", step=state.step, metrics=logged, config=config)
         if state.step < training.steps:
-            pm.hook.save_checkpoint(state=state, step=state.step, config=config, final=False)
-    pm.hook.save_checkpoint(state=state, step=state.step, config=config, final=True)
+            hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False)
+    hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True)
     metrics.close()
     log.info("finished step %d", state.step)
-    pm.hook.on_train_end(state=state, config=config)
+    hooks.each("on_train_end", state=state, config=config)
     if config.testing.save_final_weights:
         save_full_weights(model_parts, run_dir / "final_weights" / f"rank{rank}.pt")
 
@@ -195,23 +197,6 @@ def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, 
     if max_norm:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.item()
-
-
-def lr_schedule(config):
-    """Linear warm-up to ``optimizer.lr``, then cosine or linear decay to ``min_lr_ratio`` of it."""
-    steps, s = config.training.steps, config.lr_scheduler
-    warmup, floor = s.warmup_steps, s.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        if s.decay == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        if s.decay == "linear":
-            return 1 - (1 - floor) * progress
-        return 1.0
-    return factor
 
 
 def save_full_weights(model_parts: list[torch.nn.Module], path: Path) -> None:

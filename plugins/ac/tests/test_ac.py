@@ -6,7 +6,10 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from titan_ac.plugin import apply_ac
-from titan_core.model import LlamaArgs, Transformer, canonical_name
+from titan_core.description import canonical_name
+from titan_core.init import init_weights
+from titan_llama3.model import LlamaArgs, Transformer
+from titan_llama3.plugin import describe
 from titan_core.testing import TINY, run_job
 
 # The TINY model of the parity harness, with its global batch in one process.
@@ -18,7 +21,7 @@ def _step(mode: str | None):
     """Peak bytes by kind (torch's MemTracker, which follows every tensor's storage) over one
     forward+backward, the loss, and the gradients by canonical name."""
     model = Transformer(ARGS)
-    model.init_weights(seed=0)
+    init_weights(model, describe(model.args), 0)
     if mode:
         apply_ac(model.layers, mode, every=2, save_ops=SAVE_OPS)
     tokens = torch.randint(0, ARGS.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))

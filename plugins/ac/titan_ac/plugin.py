@@ -5,7 +5,7 @@
   matmuls and attention) and recomputes only the cheap elementwise ones (norms, RoPE, SwiGLU).
 * ``selective_layer``: full checkpointing of every ``every``-th block; the others keep everything.
 
-Blocks are wrapped in place in ``part.layers``; the wrapper's ``_checkpoint_wrapped_module.`` name
+The blocks the model describes (``ModelDescription.blocks``) are wrapped in place; the wrapper's ``_checkpoint_wrapped_module.`` name
 segment is one the core strips from parameter names, so init and checkpoints see the usual names.
 """
 
@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan_core import ConfigError, Declaration, hookimpl
+from titan_core.description import lacks
 
 STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their collectives too; before compile
 MODES = ("full", "selective_op", "selective_layer")
@@ -27,7 +28,10 @@ def declare():
 
 
 @hookimpl
-def validate(plugin_config):
+def validate(plugin_config, plan):
+    if plan.model.blocks is None:
+        raise ConfigError("plugins.ac", lacks(plan.model, "blocks", "activation checkpointing"),
+                          "remove ac from +plugins=[...], or describe the model's blocks")
     if plugin_config.mode not in MODES:
         raise ConfigError("plugins.ac.mode", f"unknown mode '{plugin_config.mode}'", f"use one of {', '.join(MODES)}")
     if plugin_config.mode == "selective_layer" and not (isinstance(plugin_config.every, int) and plugin_config.every >= 1):
@@ -41,9 +45,10 @@ def validate(plugin_config):
 
 
 @hookimpl
-def apply_parallelism(model_parts, plugin_config):
+def apply_parallelism(model_parts, plugin_config, plan):
+    """ac: wrap every block (or every k-th) of every model part in a checkpoint."""
     for part in model_parts:
-        apply_ac(part.layers, plugin_config.mode, plugin_config.every, plugin_config.save_ops)
+        apply_ac(plan.model.blocks_of(part), plugin_config.mode, plugin_config.every, plugin_config.save_ops)
 
 
 def apply_ac(layers: torch.nn.ModuleDict, mode: str, every: int = 1, save_ops=()) -> None:

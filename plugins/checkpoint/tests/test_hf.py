@@ -1,4 +1,5 @@
-"""Hugging Face Llama folders: transformers reads our export with equal logits, and we read it back."""
+"""Hugging Face folders (of the Llama model plugin): transformers reads our export with equal logits, and we
+read it back."""
 
 import json
 
@@ -7,7 +8,9 @@ import torch
 from safetensors import safe_open
 
 from titan_core import ConfigError
-from titan_core.model import LlamaArgs, Transformer
+from titan_core.init import init_weights
+from titan_llama3.model import LlamaArgs, Transformer
+from titan_llama3.plugin import describe, llama_args
 from titan_checkpoint.hf import export_hf, hf_shapes, import_hf
 
 LOGIT_TOLERANCE = 1e-5
@@ -17,7 +20,7 @@ def tiny_llama(**rope) -> Transformer:
     args = LlamaArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=300, multiple_of=32, max_seq_len=32,
                      rope_theta=10000.0, **rope)
     model = Transformer(args)
-    model.init_weights(seed=3)
+    init_weights(model, describe(model.args), 3)
     return model.eval()
 
 
@@ -30,7 +33,7 @@ TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(
 def test_transformers_reads_the_export_with_equal_logits(tmp_path, rope):
     transformers = pytest.importorskip("transformers")
     model = tiny_llama(**rope)
-    export_hf(model.state_dict(), model.args, tmp_path)
+    export_hf(model.state_dict(), describe(model.args).hf, tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         diff = (hf(TOKENS).logits - model(TOKENS)).abs().max().item()
@@ -40,14 +43,17 @@ def test_transformers_reads_the_export_with_equal_logits(tmp_path, rope):
 
 def test_import_gives_back_the_same_model(tmp_path):
     model = tiny_llama(**ROPES["llama3.1"])
-    export_hf(model.state_dict(), model.args, tmp_path, shard_bytes=40_000)
+    export_hf(model.state_dict(), describe(model.args).hf, tmp_path, shard_bytes=40_000)
     assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) == 21
-    args, weights = import_hf(tmp_path)
+    adapter = describe(model.args).hf
+    options, weights = import_hf(tmp_path, adapter)
+    args = llama_args(options, vocab_size=300, seq_len=32)
     assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.ffn_hidden_dim, args.rope_scaling_factor) == \
         (64, 2, 8, 4, model.args.ffn_hidden_dim, 8.0)
     assert weights.keys() == model.state_dict().keys()
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
-    assert hf_shapes(tmp_path) == {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    assert hf_shapes(tmp_path, adapter, list(weights)) == {f"model.{k}": tuple(v.shape)
+                                                           for k, v in model.state_dict().items()}
     rebuilt = Transformer(args)
     rebuilt.load_state_dict(weights)
     rebuilt.rope = model.rope
@@ -57,21 +63,22 @@ def test_import_gives_back_the_same_model(tmp_path):
 
 def test_export_dtype_is_the_stored_dtype(tmp_path):
     model = tiny_llama()
-    export_hf(model.state_dict(), model.args, tmp_path, dtype=torch.bfloat16)
+    export_hf(model.state_dict(), describe(model.args).hf, tmp_path, dtype=torch.bfloat16)
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_bad_folders_are_named(tmp_path):
+    adapter = describe(tiny_llama().args).hf
     with pytest.raises(ConfigError, match="has no config.json"):
-        import_hf(tmp_path)
+        import_hf(tmp_path, adapter)
     model = tiny_llama()
-    export_hf(model.state_dict(), model.args, tmp_path)
+    export_hf(model.state_dict(), describe(model.args).hf, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="model_type 'gpt2', not llama"):
-        import_hf(tmp_path)
+        import_hf(tmp_path, adapter)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="has no model.safetensors"):
-        hf_shapes(tmp_path)
+        hf_shapes(tmp_path, adapter, ["norm.weight"])

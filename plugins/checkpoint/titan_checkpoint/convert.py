@@ -1,4 +1,4 @@
-"""Turn a checkpoint's weights into one torch file or a Hugging Face Llama folder, on one process.
+"""Turn a checkpoint's weights into one torch file or a Hugging Face folder, on one process.
 
     python -m titan_checkpoint.convert outputs/<run>/checkpoints/step-200 model.pt
     python -m titan_checkpoint.convert outputs/<run>/checkpoints/step-200 hf-out --format hf --dtype bfloat16
@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 from titan_core import ConfigError
 from titan_core.data import load_tokenizer, tokenizer_file
-from titan_core.model import llama_args
+from titan_core.description import ModelDescription, lacks
 from titan_core.options import FLOAT_DTYPES
+from titan_core.plan import model_description
 from titan_checkpoint.hf import export_hf
 from titan_checkpoint.state import allocate, read_metadata
 
@@ -33,11 +34,13 @@ def read_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k[len("model."):]: v for k, v in tensors.items()}
 
 
-def export_hf_from_checkpoint(checkpoint: Path, target: Path, dtype: torch.dtype, config) -> None:
-    """Write the checkpoint's weights as a Hugging Face Llama folder, with the run's tokenizer.json if it has one."""
-    tokenizer = load_tokenizer(config.tokenizer)
-    args = llama_args(config.model, tokenizer.vocab_size, config.training.seq_len)
-    export_hf(read_model_weights(checkpoint), args, target, dtype, tokenizer_file(config.tokenizer))
+def export_hf_from_checkpoint(checkpoint: Path, target: Path, dtype: torch.dtype, config,
+                              description: ModelDescription | None = None) -> None:
+    """Write the checkpoint's weights as a Hugging Face folder, with the run's tokenizer.json if it has one."""
+    description = description or model_description(config, load_tokenizer(config.tokenizer).vocab_size)
+    if description.hf is None:
+        raise ConfigError("model.name", lacks(description, "hf", "Hugging Face export"), "export --format torch")
+    export_hf(read_model_weights(checkpoint), description.hf, target, dtype, tokenizer_file(config.tokenizer))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@ Folder layout (``plugins.checkpoint.folder``, under the run dir unless absolute)
     step-40/            a complete training state (torch.distributed.checkpoint format)
     step-60.partial/    a save in progress, or one a dead process left behind: never loaded
     weights-step-100/   the final model-only save, in the export dtype
-    hf-step-100/        the final weights as a Hugging Face Llama folder
+    hf-step-100/        the final weights as a Hugging Face folder of the model's family
 
 A save writes into ``<name>.partial``; rank 0 renames it once the checkpoint's metadata exists, which
 DCP writes only after every rank has written its shards. So a directory without the suffix is
@@ -21,19 +21,18 @@ import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_checkpoint.convert import export_hf_from_checkpoint
-from titan_core.data import load_tokenizer
+from titan_core.capabilities import CHECKPOINTING
+from titan_core.description import lacks
 from titan_core.options import FLOAT_DTYPES, float_dtype
-from titan_core.model import Transformer, llama_args
-from titan_checkpoint.hf import hf_shapes, import_hf
-from titan_checkpoint.state import (check_loadable, check_model_matches, copy_into_model, dcp_shapes,
-                                    load_training_state, model_tensors, training_tensors)
+from titan_core.plan import build_meta_model
+from titan_checkpoint.convert import export_hf_from_checkpoint
+from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config
+from titan_checkpoint.state import (check_loadable, check_model_matches, dcp_shapes, load_training_state,
+                                    model_tensors, training_tensors)
 
 log = logging.getLogger("titan_core")
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -41,29 +40,32 @@ STEP_DIR = re.compile(r"step-(\d+)")
 
 @hookimpl
 def declare():
-    return Declaration(provides=frozenset({"checkpointing"}))
+    return Declaration(provides=frozenset({CHECKPOINTING}))
 
 
 @hookimpl
-def validate(config, plugin_config):
+def validate(config, plugin_config, plan):
     for field, least in (("interval", 0), ("keep_latest_k", 0)):
         value = plugin_config[field]
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ConfigError(f"plugins.checkpoint.{field}", f"{value!r} is not an integer >= {least}",
                               f"set an integer >= {least} (0 turns it off)")
     float_dtype(plugin_config.export_dtype, "plugins.checkpoint.export_dtype")
+    if plugin_config.export_hf and plan.model.hf is None:
+        raise ConfigError("plugins.checkpoint.export_hf", lacks(plan.model, "hf", "Hugging Face export"),
+                          "set plugins.checkpoint.export_hf=false")
     if plugin_config.load_path:
         kind, path = checkpoint_to_load(Path(plugin_config.load_path).expanduser())
-        expected = model_shapes(config)
-        check_model_matches(expected, hf_shapes(path) if kind == "hf" else dcp_shapes(path)[1], path, set(expected))
-
-
-def model_shapes(config) -> dict[str, tuple]:
-    """The shapes of titan-core's Llama under ``config``, by checkpoint key, from a model on the meta device."""
-    args = llama_args(config.model, load_tokenizer(config.tokenizer).vocab_size, config.training.seq_len)
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+        expected = {f"model.{k}": tuple(v.shape) for k, v in build_meta_model(config, plan.model).state_dict().items()}
+        if kind == "hf":
+            if plan.model.hf is None:
+                raise ConfigError("plugins.checkpoint.load_path", lacks(plan.model, "hf", "Hugging Face import"),
+                                  "load a titan-core checkpoint instead")
+            read_hf_config(path, plan.model.hf)
+            saved = hf_shapes(path, plan.model.hf, [k[len("model."):] for k in expected])
+        else:
+            saved = dcp_shapes(path)[1]
+        check_model_matches(expected, saved, path, set(expected))
 
 
 def checkpoint_to_load(path: Path) -> tuple[str, Path]:
@@ -87,10 +89,11 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 
 
 class Checkpointer:
-    def __init__(self, plugin_config, config, run_dir: Path):
+    def __init__(self, plugin_config, config, run_dir: Path, plan):
         self.options = plugin_config
         self.folder = run_dir / Path(plugin_config.folder).expanduser()
         self.config = config
+        self.description = plan.model
         self.rank = dist.get_rank()
         # Asynchronous saves talk on their own gloo group: a background thread must not interleave its
         # collectives with the training step's on the default group (and NCCL cannot stage to CPU).
@@ -115,7 +118,7 @@ class Checkpointer:
             return None
         kind, path, model_only = choice[0]
         if kind == "hf":
-            load_hf_weights(state.model_parts, path)
+            self.load_hf(state.model_parts, path)
             step = 0
         else:
             step = load_training_state(state, path, model_only)
@@ -175,9 +178,18 @@ class Checkpointer:
         if self.rank == 0:
             target = self.folder / f"hf-step-{step}"
             export_hf_from_checkpoint(checkpoint, target, FLOAT_DTYPES[self.options.export_dtype],
-                                      self.config)
+                                      self.config, self.description)
             log.info("Hugging Face export %s written", target)
         dist.barrier()
+
+    def load_hf(self, model_parts, folder: Path) -> None:
+        """Initialize the model from a Hugging Face folder, each rank reading only its slices."""
+        adapter = self.description.hf
+        read_hf_config(folder, adapter)
+        wanted = model_tensors(model_parts)
+        check_loadable(wanted, hf_shapes(folder, adapter, [k[len("model."):] for k in wanted]), folder)
+        read = load_hf_slices(model_parts, folder, adapter)
+        log.info("read %.3g MB of %s on this rank", read / 1e6, folder)
 
     def wait(self) -> None:
         """Finish the save in flight, raising its error if it failed."""
@@ -201,36 +213,25 @@ def then(future: Future, action) -> Future:
     return done
 
 
-def load_hf_weights(model_parts, folder: Path) -> None:
-    """Initialize the model from a Hugging Face Llama folder, each rank keeping its shard."""
-    _, weights = import_hf(folder)
-    full = {f"model.{k}": v for k, v in weights.items()}
-    wanted = model_tensors(model_parts)
-    check_loadable(wanted, {k: tuple(v.shape) for k, v in full.items()}, folder)
-    for key, tensor in wanted.items():
-        value = full[key].to(device=tensor.device, dtype=tensor.dtype)
-        if isinstance(tensor, DTensor):
-            value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
-        wanted[key] = value
-    copy_into_model(model_parts, wanted)
-
-
 _checkpointer: Checkpointer | None = None
 
 
 @hookimpl
-def load_checkpoint(state, config, run_dir):
+def load_checkpoint(state, config, run_dir, plugin_config, plan):
+    """checkpoint: resume from this run's newest complete save, else from load_path, else start fresh."""
     global _checkpointer
-    _checkpointer = Checkpointer(config.plugins.checkpoint, config, Path(run_dir))
+    _checkpointer = Checkpointer(plugin_config, config, Path(run_dir), plan)
     return _checkpointer.load(state)
 
 
 @hookimpl
 def save_checkpoint(state, step, final):
+    """checkpoint: save on the interval (asynchronously if asked) and at the end, then export if asked."""
     return _checkpointer.save(state, step, final)
 
 
 @hookimpl
 def on_train_end():
+    """checkpoint: wait for the save in flight so that the job ends with it on disk."""
     _checkpointer.wait()
     dist.barrier()

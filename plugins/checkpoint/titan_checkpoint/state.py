@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_core import ConfigError
-from titan_core.model import canonical_name
+from titan_core.description import canonical_name
 
 LOAD_FIELD = "plugins.checkpoint.load_path"
 

@@ -1,10 +1,11 @@
-"""torch.compile of every transformer block, in place so that parameter names do not change.
+"""torch.compile of every block the model describes, in place so that parameter names do not change.
 
 Compiling per block rather than the whole model keeps compile time flat in depth (every block has
 the same graph, compiled once and reused) and leaves the block boundaries to FSDP and pipeline
 stages. Under tensor parallel a whole parallelized block fails in backward in torch 2.13
 (``'Tensor' object has no attribute '_local_tensor'`` in the nested redistribute), so there the
-attention and the feed-forward are compiled separately. Only their ``forward`` is compiled, not their
+sub-layers the model's tensor-parallel layout names (``block_regions``: attention, feed-forward) are
+compiled separately. Only their ``forward`` is compiled, not their
 module hooks: with sequence parallel, tracing the input hook (all-gather of the sequence, then
 ``to_local``) into the graph gave wrong gradients (grad norm off by 1e-5 relative at step 1, norm
 weights off by 5e-3 after 5 steps), while leaving it eager matches eager TP to fp32 rounding.
@@ -19,21 +20,23 @@ import torch
 from torch import nn
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.model import canonical_name
+from titan_core.capabilities import COMPILE
+from titan_core.description import canonical_name, lacks
 
 STAGE = 500  # after the transforms that rewrite a block (TP, CP, AC), before FSDP wraps it
-# The parts of a block that compile cleanly when their weights are tensor-parallel DTensors.
-TP_REGIONS = ("attention", "feed_forward")
 CUDA_ONLY_MODES = ("reduce-overhead", "max-autotune")  # both capture CUDA graphs
 
 
 @hookimpl
 def declare():
-    return Declaration(stage=STAGE, provides=frozenset({"compile"}))
+    return Declaration(stage=STAGE, provides=frozenset({COMPILE}))
 
 
 @hookimpl
 def validate(plugin_config, plan):
+    if plan.model.blocks is None:
+        raise ConfigError("plugins.compile", lacks(plan.model, "blocks", "per-block compile"),
+                          "remove compile from +plugins=[...], or describe the model's blocks")
     if plugin_config.compile_loss and plan.degree("tp") > 1:
         raise ConfigError("plugins.compile.compile_loss", "the loss is not compiled under tensor parallel (its "
                           "logits may be vocabulary-sharded DTensors)", "set plugins.compile.compile_loss=false")
@@ -56,32 +59,34 @@ def validate(plugin_config, plan):
 
 
 @hookimpl
-def apply_parallelism(model_parts, mesh, plugin_config):
+def apply_parallelism(model_parts, mesh, plugin_config, plan):
+    """compile: compile each block's forward (its tensor-parallel regions one by one under tp)."""
     options = dict(backend=plugin_config.backend, fullgraph=plugin_config.fullgraph,
                    mode=None if plugin_config.mode == "default" else plugin_config.mode)
     tensor_parallel = "tp" in mesh.shape
     for part in model_parts:
-        for block in part.layers.values():
+        for block in plan.model.blocks_of(part).values():
             if tensor_parallel:
-                for region in tp_regions(block):
+                for region in tp_regions(block, plan.model.tensor_parallel.block_regions):
                     region.forward = torch.compile(region.forward, **options)
             else:
                 block.compile(**options)
 
 
 @hookimpl
-def wrap_loss(loss_fn, config):
-    options = config.plugins.compile
+def wrap_loss(loss_fn, plugin_config):
+    """compile: with compile_loss, the compiled loss function."""
+    options = plugin_config
     if not options.compile_loss:
         return None
     return torch.compile(loss_fn, backend=options.backend, fullgraph=options.fullgraph,
                          mode=None if options.mode == "default" else options.mode)
 
 
-def tp_regions(block: nn.Module) -> list[nn.Module]:
-    """The attention and feed-forward of a block, found under whatever wrapper (e.g. checkpointing)."""
-    regions = [module for name, module in block.named_modules() if canonical_name(name) in TP_REGIONS]
-    if len(regions) != len(TP_REGIONS):
-        raise RuntimeError(f"a transformer block without {' and '.join(TP_REGIONS)}: cannot compile it under "
-                           "tensor parallel, where a whole compiled block fails in backward")
+def tp_regions(block: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """The block's tensor-parallel regions, found under whatever wrapper (e.g. checkpointing)."""
+    regions = [module for name, module in block.named_modules() if canonical_name(name) in names]
+    if len(regions) != len(names):
+        raise RuntimeError(f"a block without all of {', '.join(names)}: cannot compile it under tensor parallel, "
+                           "where a whole compiled block fails in backward")
     return regions

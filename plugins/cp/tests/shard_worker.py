@@ -13,7 +13,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from titan_core.mesh import ParallelMesh
-from titan_core.model import LlamaArgs, Transformer
+from titan_core.init import init_weights
+from titan_llama3.model import LlamaArgs, Transformer
+from titan_llama3.plugin import describe
 from titan_core.plan import Plan
 from titan_cp import plugin
 
@@ -27,14 +29,15 @@ def main(out: Path) -> None:
         mesh = ParallelMesh({"cp": 2}, "cpu")
         with torch.device("meta"):
             model = Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=SEQ))
-        plugin.apply_parallelism(model_parts=[model], mesh=mesh, plan=Plan((), {"cp": 2}, 2),
+        plan = Plan((), {"cp": 2}, 2, describe(model.args))
+        plugin.apply_parallelism(model_parts=[model], mesh=mesh, plan=plan,
                                  plugin_config=OmegaConf.create({"rotate_method": "allgather", "load_balance": True}))
         model.to_empty(device="cpu")
-        model.init_weights(0)
+        init_weights(model, describe(model.args), 0)
         full_rope = model.rope.clone()
         inputs = torch.arange(SEQ).expand(2, SEQ).clone()
         labels = inputs + 100
-        with plugin.batch_context(inputs=inputs, labels=labels, model_parts=[model], mesh=mesh):
+        with plugin.batch_context(inputs=inputs, labels=labels, model_parts=[model], mesh=mesh, plan=plan):
             rope_rows = [next(p for p in range(SEQ) if torch.equal(row, full_rope[p])) for row in model.rope]
             seen = {"inputs": inputs.tolist(), "labels": labels.tolist(), "rope_rows": rope_rows}
         seen["rope_restored"] = torch.equal(model.rope, full_rope)

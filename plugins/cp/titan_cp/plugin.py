@@ -1,7 +1,8 @@
 """Context parallel: every sequence split over the ``cp`` mesh dimension, attention computed as a ring.
 
-Each micro-batch's tokens, labels and the model's RoPE table are split along the sequence inside
-torch's ``context_parallel`` context, the same way for all three: with head-tail load balancing the
+Each micro-batch's tokens, labels and the model's position buffers (``ModelDescription.position_buffers``:
+RoPE tables, position ids) are split along the sequence inside torch's ``context_parallel`` context, the
+same way for all of them, so every shard sees its global positions: with head-tail load balancing the
 sequence is cut into 2 x degree chunks and rank r keeps chunks r and 2 x degree - 1 - r, so that every
 rank does the same share of causal attention work. Attention then passes key/value shards around the
 cp ranks (all-gather or all-to-all) and merges the partial results by their log-sum-exp.
@@ -21,21 +22,30 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
 from titan_core import ConfigError, Declaration, hookimpl
+from titan_core.capabilities import CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING
+from titan_core.description import SDPA_CAUSAL, attribute, lacks
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
 ROTATE_METHODS = ("allgather", "alltoall")
-# Whoever provides this reduces gradients over a mesh that includes cp.
-SHARDING_CAPABILITY = "data_parallel_sharding"
 
 
 @hookimpl
 def declare(plugin_config):
-    return Declaration(stage=STAGE, mesh={"cp": plugin_config.degree}, provides=frozenset({"context_parallel"}))
+    return Declaration(stage=STAGE, mesh={"cp": plugin_config.degree}, provides=frozenset({CONTEXT_PARALLEL}))
 
 
 @hookimpl
 def validate(config, plugin_config, plan):
     degree = plan.degree("cp")
+    if plan.model.attention != SDPA_CAUSAL:
+        # Ring attention replaces causal SDPA; any other attention would see only its own shard's keys.
+        raise ConfigError("plugins.cp", lacks(plan.model, "attention", "context parallel") if plan.model.attention is None
+                          else f"model '{plan.model.family}' attends through '{plan.model.attention}', but context "
+                          f"parallel rings only '{SDPA_CAUSAL}'", "remove cp from +plugins=[...]")
+    if plan.model.position_buffers is None:
+        # Without them every shard's positions would restart at 0: a silently wrong model.
+        raise ConfigError("plugins.cp", lacks(plan.model, "position_buffers", "context parallel"),
+                          "remove cp from +plugins=[...], or describe the model's position buffers")
     if plugin_config.rotate_method not in ROTATE_METHODS:
         raise ConfigError("plugins.cp.rotate_method", f"unknown rotate method '{plugin_config.rotate_method}'",
                           f"use one of {', '.join(ROTATE_METHODS)}")
@@ -51,11 +61,12 @@ def validate(config, plugin_config, plan):
 
 @hookimpl
 def apply_parallelism(model_parts, mesh, plugin_config, plan):
+    """cp: set up the ring, and average gradients over cp when no sharding plugin does."""
     cp_mesh = mesh.submesh("cp")
     if mesh.device_type == "cpu":
         register_cpu_ring_attention()
     configure_ring(plugin_config.rotate_method, plugin_config.load_balance)
-    if not any(SHARDING_CAPABILITY in p.declaration.provides for p in plan.plugins):
+    if not plan.provides(DATA_PARALLEL_SHARDING):
         for part in model_parts:
             apply_gradient_averaging(part, cp_mesh)
 
@@ -83,8 +94,9 @@ def apply_gradient_averaging(part: torch.nn.Module, cp_mesh) -> None:
 
 
 @hookimpl
-def batch_context(inputs, labels, model_parts, mesh):
-    ropes = [part.rope for part in model_parts if isinstance(getattr(part, "rope", None), torch.Tensor)]
+def batch_context(inputs, labels, model_parts, mesh, plan):
+    """cp: split the batch and the model's position buffers along the sequence for one micro-batch."""
+    positions = [attribute(part, name) for part in model_parts for name in plan.model.position_buffers]
     # Split in place for the forward and backward; the positions are restored on exit, the batch is spent.
-    return context_parallel(mesh.submesh("cp"), buffers=[inputs, labels, *ropes],
-                            buffer_seq_dims=[1, 1, *(0 for _ in ropes)], no_restore_buffers={inputs, labels})
+    return context_parallel(mesh.submesh("cp"), buffers=[inputs, labels, *positions],
+                            buffer_seq_dims=[1, 1, *(0 for _ in positions)], no_restore_buffers={inputs, labels})

@@ -7,7 +7,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from titan_core.model import LlamaArgs, Transformer
+from titan_core.init import init_weights
+from titan_llama3.model import LlamaArgs, Transformer
+from titan_llama3.plugin import describe
 from titan_core.testing import TINY, run_job
 from titan_float8 import plugin
 
@@ -23,9 +25,9 @@ FLOAT8_LOSS_TOL, MXFP8_LOSS_TOL, PARAM_TOL = 2e-3, 2e-3, 3e-2
 def _convert(recipe="tensorwise", filter_fqns=(), all_gather=False, **args):
     with torch.device("meta"):
         model = Transformer(LlamaArgs(**{**TINY_ARGS, **args}))
-    config = OmegaConf.create({"plugins": {"float8": {"recipe": recipe, "filter_fqns": list(filter_fqns),
-                                                      "fsdp_float8_all_gather": all_gather}}})
-    plugin.convert_float8(model, config)
+    options = OmegaConf.create({"recipe": recipe, "filter_fqns": list(filter_fqns),
+                                "fsdp_float8_all_gather": all_gather})
+    plugin.convert_float8(model, options, type("Plan", (), {"model": describe(model.args)})())
     return model
 
 
@@ -84,12 +86,11 @@ def test_scales_are_precomputed_after_the_optimizer_step():
             fully_shard(block)
         fully_shard(model)
         model.to_empty(device="cpu")
-        model.init_weights(seed=0)
+        init_weights(model, describe(model.args), 0)
         weight = model.layers["0"].attention.wq.weight._local_tensor
         assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor" and weight._precomputed_scale is None
         model(torch.zeros(2, 32, dtype=torch.long)).sum().backward()
-        config = OmegaConf.create({"plugins": {"float8": {"fsdp_float8_all_gather": True}}})
-        plugin.after_optimizer_step(model_parts=[model], config=config)
+        plugin.after_optimizer_step(model_parts=[model], plugin_config=OmegaConf.create({"fsdp_float8_all_gather": True}))
         assert weight._precomputed_scale is not None
     finally:
         dist.destroy_process_group()

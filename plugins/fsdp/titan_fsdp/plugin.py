@@ -1,4 +1,4 @@
-"""FSDP2: every transformer block, then the root, sharded with ``fully_shard`` over the data-parallel mesh.
+"""FSDP2: every block the model describes, then the root, sharded with ``fully_shard`` over the data-parallel mesh.
 
 The shard mesh is ``dp_shard`` flattened with ``cp`` when context parallel is on (the ranks of one
 context-parallel group hold different tokens of the same samples, so their gradients are averaged
@@ -8,6 +8,8 @@ like those of different samples), and ``dp_replicate`` adds an outer replica dim
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan_core import ConfigError, Declaration, hookimpl
+from titan_core.capabilities import DATA_PARALLEL_SHARDING
+from titan_core.description import lacks
 from titan_core.options import FLOAT_DTYPES, float_dtype
 
 STAGE = 600  # last: it shards whatever the transforms before it (TP, AC, compile) produced
@@ -19,11 +21,14 @@ def declare(plugin_config):
     mesh = {"dp_shard": plugin_config.degree}
     if plugin_config.replicate_degree != 1:
         mesh["dp_replicate"] = plugin_config.replicate_degree
-    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({"data_parallel_sharding"}))
+    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING}))
 
 
 @hookimpl
-def validate(plugin_config):
+def validate(plugin_config, plan):
+    if plan.model.blocks is None:
+        raise ConfigError("plugins.fsdp", lacks(plan.model, "blocks", "FSDP (one unit per block)"),
+                          "use simplefsdp, or describe the model's blocks")
     for field in ("param_dtype", "reduce_dtype"):
         float_dtype(plugin_config[field], f"plugins.fsdp.{field}")
     if plugin_config.reshard_after_forward not in RESHARD:
@@ -34,7 +39,8 @@ def validate(plugin_config):
 
 
 @hookimpl
-def apply_parallelism(model_parts, mesh, plugin_config):
+def apply_parallelism(model_parts, mesh, plugin_config, plan):
+    """fsdp: shard each block, then each model part's remaining parameters, over the data-parallel mesh."""
     dp_mesh = mesh.submesh("dp_replicate", ("dp_shard", "cp"))
     policy = dict(
         mesh=dp_mesh,
@@ -46,7 +52,7 @@ def apply_parallelism(model_parts, mesh, plugin_config):
     )
     pipelined = len(model_parts) > 1 or "pp" in mesh.shape
     for part in model_parts:
-        blocks = list(part.layers.values())
+        blocks = list(plan.model.blocks_of(part).values())
         for i, block in enumerate(blocks):
             fully_shard(block, reshard_after_forward=_reshard(plugin_config, last=i == len(blocks) - 1,
                                                               pipelined=pipelined), **policy)

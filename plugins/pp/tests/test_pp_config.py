@@ -93,12 +93,14 @@ def test_zero_bubble_with_compile_is_refused(tmp_path):
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
 def test_zero_bubble_refuses_any_plugin_providing_compile(schedule):
     from titan_core.plan import Declaration, Plan, PlannedPlugin
+    from titan_llama3.model import LlamaArgs
+    from titan_llama3.plugin import describe
     from titan_pp import plugin
 
     config = OmegaConf.create({"model": {"n_layers": 4}, "plugins": {"pp": dict(DEFAULTS, schedule=schedule)},
                                "training": {"global_batch_size": 8, "grad_accum_steps": 1}})
     plan = Plan((PlannedPlugin("pp", "titan-pp", plugin.declare(config.plugins.pp)),
                  PlannedPlugin("my_jit", "third-party", Declaration(stage=500, provides=frozenset({"compile"})))),
-                {"pp": 2}, 2)
+                {"pp": 2}, 2, describe(LlamaArgs(n_layers=4)))
     with pytest.raises(ConfigError, match=f"{schedule} splits backward into input and weight halves"):
         plugin.validate(config=config, plugin_config=config.plugins.pp, plan=plan)

@@ -1,8 +1,10 @@
 """Pipeline parallel: the model split into stages over the ``pp`` mesh dimension, run by a torch schedule.
 
 ``apply_parallelism`` (first, at stage 100) replaces the meta model by this rank's stages, each a copy
-of the whole model with the other blocks deleted, so parameter names stay those of the whole model and
-the later transforms (TP, compile, FSDP) apply to each stage as to a whole model. ``build_schedule``
+of the whole model with the other blocks deleted and, as the model's description says, the modules
+before the blocks (``inputs``) kept only on the first stage and those after them (``outputs``) only on
+the last. Parameter names stay those of the whole model and the later transforms (TP, compile, FSDP)
+apply to each stage as to a whole model. ``build_schedule``
 wraps the materialized stages in ``torch.distributed.pipelining`` stages and schedule.
 """
 
@@ -15,6 +17,8 @@ import torch
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from titan_core import ConfigError, Declaration, hookimpl
+from titan_core.capabilities import COMPILE, PIPELINE
+from titan_core.description import ModelDescription, drop, lacks
 from titan_pp.layout import Layout, schedule_kind, stage_layout
 
 log = logging.getLogger("titan_core")
@@ -23,13 +27,17 @@ STAGE = 100  # first: the later transforms then see one stage per model part
 
 @hookimpl
 def declare(plugin_config):
-    return Declaration(stage=STAGE, mesh={"pp": plugin_config.degree}, provides=frozenset({"pipeline"}))
+    return Declaration(stage=STAGE, mesh={"pp": plugin_config.degree}, provides=frozenset({PIPELINE}))
 
 
 @hookimpl
 def validate(config, plugin_config, plan):
-    layout = _layout(config, plan.degree("pp"))
-    if schedule_kind(plugin_config).zero_bubble and any("compile" in p.declaration.provides for p in plan.plugins):
+    for what in ("blocks", "inputs", "outputs"):
+        if getattr(plan.model, what) is None:
+            raise ConfigError("plugins.pp", lacks(plan.model, what, "pipeline parallel (the split points)"),
+                              "remove pp from +plugins=[...], or describe the model's blocks, inputs and outputs")
+    layout = _layout(plugin_config, plan)
+    if schedule_kind(plugin_config).zero_bubble and plan.provides(COMPILE):
         raise ConfigError("plugins.pp.schedule", f"{plugin_config.schedule} splits backward into input and weight "
                           "halves, which torch refuses for compiled stages",
                           "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS with compile, or disable compile")
@@ -43,30 +51,32 @@ def validate(config, plugin_config, plan):
 
 
 @hookimpl
-def apply_parallelism(model_parts, mesh, config):
+def apply_parallelism(model_parts, mesh, plugin_config, plan):
+    """pp: replace the model by the stages this rank runs."""
     (model,) = model_parts
-    layout = _layout(config, mesh.degree("pp"))
+    layout = _layout(plugin_config, plan)
     stages = layout.stages_of(mesh.local_rank("pp"))
-    log.info("pipeline: %s, %d micro-batches; this rank runs %s", config.plugins.pp.schedule, layout.microbatches,
+    log.info("pipeline: %s, %d micro-batches; this rank runs %s", plugin_config.schedule, layout.microbatches,
              ", ".join(f"stage {s}/{layout.num_stages} (blocks {_span(layout.blocks[s])})" for s in stages))
-    return [stage_module(model, layout, stage) for stage in stages]
+    return [stage_module(model, plan.model, layout, stage) for stage in stages]
 
 
 def _span(blocks: tuple[int, ...]) -> str:
     return f"{blocks[0]}-{blocks[-1]}" if blocks else "none"
 
 
-def stage_module(model: torch.nn.Module, layout: Layout, stage: int) -> torch.nn.Module:
+def stage_module(model: torch.nn.Module, description: ModelDescription, layout: Layout,
+                 stage: int) -> torch.nn.Module:
     """A copy of the (meta) model keeping only what ``stage`` runs; its forward skips the parts set to None."""
     part = copy.deepcopy(model)
+    blocks = description.blocks_of(part)
     keep = {str(i) for i in layout.blocks[stage]}
-    for name in [n for n in part.layers if n not in keep]:
-        del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != layout.num_stages - 1:
-        part.norm = None
-        part.output = None
+    for name in [n for n in blocks if n not in keep]:
+        del blocks[name]
+    dropped = (description.inputs if stage != 0 else ()) + (
+        description.outputs if stage != layout.num_stages - 1 else ())
+    for name in dropped:
+        drop(part, name)
     return part
 
 
@@ -105,15 +115,16 @@ class PipelineStep:
 
 
 @hookimpl
-def build_schedule(model_parts, mesh, config, loss_fn):
-    layout = _layout(config, mesh.degree("pp"))
+def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
+    """pp: wrap the materialized stages in torch pipeline stages and the configured schedule."""
+    layout = _layout(plugin_config, plan)
     group = mesh.submesh("pp").get_group()
     device = next(model_parts[0].parameters()).device
     stages = [PipelineStage(part, index, layout.num_stages, device, group=group)
               for part, index in zip(model_parts, layout.stages_of(mesh.local_rank("pp")))]
-    return PipelineStep(config.plugins.pp.schedule, stages, layout.microbatches, loss_fn,
+    return PipelineStep(plugin_config.schedule, stages, layout.microbatches, loss_fn,
                         config.training.grad_accum_steps)
 
 
-def _layout(config, degree: int) -> Layout:
-    return stage_layout(config.plugins.pp, config.model.n_layers, degree)
+def _layout(plugin_config, plan) -> Layout:
+    return stage_layout(plugin_config, plan.model.n_layers, plan.degree("pp"))

@@ -43,7 +43,9 @@ def test_parameters_are_sharded_dtensors_under_their_own_names():
     import torch.distributed as dist
 
     from titan_core.mesh import ParallelMesh
-    from titan_core.model import LlamaArgs, Transformer
+    from titan_core.init import init_weights
+    from titan_llama3.model import LlamaArgs, Transformer
+    from titan_llama3.plugin import describe
     from titan_simplefsdp import plugin
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -55,7 +57,7 @@ def test_parameters_are_sharded_dtensors_under_their_own_names():
         config = {"degree": 1, "replicate_degree": 1, "param_dtype": "float32", "reduce_dtype": "float32"}
         plugin.apply_parallelism([model], ParallelMesh({"dp_shard": 1}, "cpu"), _Node(config))
         model.to_empty(device="cpu")
-        model.init_weights(seed=0)
+        init_weights(model, describe(model.args), 0)
         assert [n for n, _ in model.named_parameters()] == names
         assert all(isinstance(p, DTensor) for p in model.parameters())
         wq = model.layers["0"].attention.wq

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from titan_core import Declaration, hookimpl
+from titan_core.capabilities import DATA_PARALLEL_SHARDING
 from titan_core.options import FLOAT_DTYPES, float_dtype
 
 STAGE = 600  # last, like FSDP: it shards whatever parameters the earlier transforms produced
@@ -33,7 +34,7 @@ def declare(plugin_config):
     mesh = {"dp_shard": plugin_config.degree}
     if plugin_config.replicate_degree != 1:
         mesh["dp_replicate"] = plugin_config.replicate_degree
-    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({"data_parallel_sharding"}))
+    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING}))
 
 
 @hookimpl
@@ -44,6 +45,7 @@ def validate(plugin_config):
 
 @hookimpl
 def apply_parallelism(model_parts, mesh, plugin_config):
+    """simplefsdp: store every parameter sharded over the data-parallel mesh, gathered on read."""
     dp_mesh = mesh.submesh("dp_replicate", ("dp_shard", "cp"))
     gather = Gather(dp_mesh, mesh.submesh("dp_replicate", ("dp_shard", "cp"), "tp") if "tp" in mesh.shape else None,
                     FLOAT_DTYPES[plugin_config.param_dtype], FLOAT_DTYPES[plugin_config.reduce_dtype])

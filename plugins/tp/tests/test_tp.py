@@ -8,7 +8,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_core import ConfigError
 from titan_core.mesh import ParallelMesh
-from titan_core.model import LlamaArgs, Transformer
+from titan_core.init import init_weights
+from titan_llama3.model import LlamaArgs, Transformer
+from titan_llama3.plugin import describe
 from titan_core.testing import TINY, error_line, run_job
 from titan_tp import plugin
 
@@ -47,7 +49,8 @@ def test_plan_shards_heads_hidden_units_and_vocabulary(one_rank_tp_mesh, sp):
     with torch.device("meta"):
         model = Transformer(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32))
     options = OmegaConf.create({"sequence_parallel": sp, "loss_parallel": True, "async_tp": False})
-    plugin.apply_parallelism(model_parts=[model], mesh=one_rank_tp_mesh, plugin_config=options)
+    plan = type("Plan", (), {"model": describe(model.args)})()
+    plugin.apply_parallelism(model_parts=[model], mesh=one_rank_tp_mesh, plugin_config=options, plan=plan)
 
     expected = {"wq": Shard(0), "wk": Shard(0), "wv": Shard(0), "w1": Shard(0), "w3": Shard(0),
                 "wo": Shard(1), "w2": Shard(1), "tok_embeddings": Shard(0), "output": Shard(0), "norm": Replicate()}
@@ -56,23 +59,23 @@ def test_plan_shards_heads_hidden_units_and_vocabulary(one_rank_tp_mesh, sp):
         key = next(k for k in expected if k in name)
         assert param.placements == (expected[key],), name
     model.to_empty(device="cpu")
-    model.init_weights(0)
+    init_weights(model, describe(model.args), 0)
     tokens = torch.randint(0, 64, (2, 8))
     assert isinstance(model(tokens), DTensor)  # loss parallel keeps the vocabulary-sharded logits
 
 
 def _config(degree=2, n_heads=4, n_kv_heads=2, seq_len=32, cp=1, **tp):
     options = {"degree": degree, "sequence_parallel": True, "loss_parallel": True, "async_tp": False, **tp}
-    return (OmegaConf.create({"model": {"n_heads": n_heads, "n_kv_heads": n_kv_heads},
-                              "training": {"seq_len": seq_len}, "launch": {"backend": None},
+    model = describe(LlamaArgs(dim=16 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads))
+    return (OmegaConf.create({"training": {"seq_len": seq_len}, "launch": {"backend": None},
                               "plugins": {"tp": options}}),
-            type("Plan", (), {"degree": lambda self, dim: {"tp": degree, "cp": cp}.get(dim, 1)})())
+            type("Plan", (), {"degree": lambda self, dim: {"tp": degree, "cp": cp}.get(dim, 1), "model": model})())
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(degree=3), "model.n_heads: 4 heads do not split over tp degree 3"),
-    (dict(n_kv_heads=1), "model.n_kv_heads: 1 heads do not split over tp degree 2"),
-    (dict(n_kv_heads=None, n_heads=6, degree=4), "model.n_heads: 6 heads do not split over tp degree 4"),
+    (dict(degree=3), "model.n_heads: 4 does not split over tp degree 3"),
+    (dict(n_kv_heads=1), "model.n_kv_heads: 1 does not split over tp degree 2"),
+    (dict(n_kv_heads=None, n_heads=6, degree=4), "model.n_heads: 6 does not split over tp degree 4"),
     (dict(seq_len=30, cp=2), "training.seq_len: sequence parallel splits 15 tokens"),
     pytest.param(dict(async_tp=True), "plugins.tp.async_tp: AsyncTP needs CUDA GPUs with NCCL symmetric memory",
                  marks=ON_CPU_ONLY),
@@ -91,7 +94,7 @@ def test_async_tp_requires_compile():
 
 @pytest.mark.parametrize("overrides, message", [
     (["+plugins=[tp]", "plugins.tp.degree=2", "model.n_kv_heads=1"],
-     "model.n_kv_heads: 1 heads do not split over tp degree 2"),
+     "model.n_kv_heads: 1 does not split over tp degree 2"),
     (["+plugins=[tp]", "plugins.tp.async_tp=true"], "plugins.tp: requires 'compile', which no enabled plugin provides"),
     pytest.param(["+plugins=[tp,compile]", "plugins.tp.async_tp=true"],
                  "plugins.tp.async_tp: AsyncTP needs CUDA GPUs with NCCL symmetric memory, which this job does not "

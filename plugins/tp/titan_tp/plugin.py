@@ -1,9 +1,10 @@
 """Tensor parallel: every block's attention and feed-forward split over the ``tp`` mesh dimension.
 
-Megatron-style: wq/wk/wv and w1/w3 are split by output features (each rank holds whole heads and a
-slice of the hidden units), wo and w2 by input features, so one block costs one all-reduce in each of
-forward and backward per sub-layer. The embedding is split by vocabulary rows and the output layer by
-vocabulary columns. With sequence parallel the residual stream and the norms between those regions are
+Megatron-style, by the layout the model describes (``ModelDescription.tensor_parallel``): the query, key,
+value and up-projections are split by output features (each rank holds whole heads and a slice of the
+hidden units), the projections back into the residual stream by input features, so one block costs one
+all-reduce in each of forward and backward per sub-layer. Embeddings are split by rows and the output
+layer by vocabulary columns. With sequence parallel the residual stream and the norms between those regions are
 split along the sequence instead of replicated, turning each all-reduce into a reduce-scatter plus an
 all-gather and dividing the norms' activation memory by the degree. With loss parallel the logits stay
 split by vocabulary and cross entropy reduces across ranks, never materializing the whole vocabulary.
@@ -14,10 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from titan_core import ConfigError, Declaration, hookimpl
+from titan_core.capabilities import COMPILE, TENSOR_PARALLEL
+from titan_core.description import TensorParallelLayout, attribute, lacks
 
 STAGE = 200  # after pipeline splitting (each stage is parallelized like a whole model), before CP, AC, compile, FSDP
 
@@ -25,20 +28,22 @@ STAGE = 200  # after pipeline splitting (each stage is parallelized like a whole
 @hookimpl
 def declare(plugin_config):
     # AsyncTP's fused collective-matmuls are an inductor pass: without a compiler nothing is fused.
-    requires = frozenset({"compile"}) if plugin_config.async_tp else frozenset()
+    requires = frozenset({COMPILE}) if plugin_config.async_tp else frozenset()
     return Declaration(stage=STAGE, mesh={"tp": plugin_config.degree},
-                       provides=frozenset({"tensor_parallel"}), requires=requires)
+                       provides=frozenset({TENSOR_PARALLEL}), requires=requires)
 
 
 @hookimpl
 def validate(config, plugin_config, plan):
     degree = plan.degree("tp")
-    n_heads = config.model.n_heads
-    n_kv_heads = config.model.get("n_kv_heads") or n_heads
-    for field, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if heads % degree:
-            raise ConfigError(f"model.{field}", f"{heads} heads do not split over tp degree {degree}",
-                              f"choose plugins.tp.degree dividing {heads}")
+    layout = plan.model.tensor_parallel
+    if layout is None or plan.model.blocks is None:
+        raise ConfigError("plugins.tp", lacks(plan.model, "tensor_parallel" if layout is None else "blocks",
+                                              "tensor parallel"), "remove tp from +plugins=[...]")
+    for field, count in layout.divisible.items():
+        if count % degree:
+            raise ConfigError(field, f"{count} does not split over tp degree {degree}",
+                              f"choose plugins.tp.degree dividing {count}")
     if plugin_config.sequence_parallel:
         # The sequence each rank sees (after context parallel's split) is split again over tp.
         local_seq = config.training.seq_len // plan.degree("cp")
@@ -61,57 +66,61 @@ def _check_async_tp(config, plugin_config) -> None:
 
 
 @hookimpl
-def apply_parallelism(model_parts, mesh, plugin_config):
+def apply_parallelism(model_parts, mesh, plugin_config, plan):
+    """tp: split every part's outer modules and blocks over the tp mesh, as the model's layout says."""
     tp_mesh = mesh.submesh("tp")
+    layout = plan.model.tensor_parallel
     sp, lp = plugin_config.sequence_parallel, plugin_config.loss_parallel
     for part in model_parts:
-        apply_outer_plan(part, tp_mesh, sp, lp)
-        for block in part.layers.values():
-            apply_block_plan(block, tp_mesh, sp)
+        apply_outer_plan(part, layout, tp_mesh, sp, lp)
+        for block in plan.model.blocks_of(part).values():
+            apply_block_plan(block, layout, tp_mesh, sp)
     if plugin_config.async_tp:
         apply_async_tp(tp_mesh)
 
 
-def apply_outer_plan(model: torch.nn.Module, tp_mesh, sp: bool, lp: bool) -> None:
-    """Embedding, final norm and output layer; a pipeline stage holds only some of them."""
+def apply_outer_plan(model: nn.Module, layout: TensorParallelLayout, tp_mesh, sp: bool, lp: bool) -> None:
+    """Embeddings, final norms and output layer; a pipeline stage holds only some of them (None for the rest)."""
     stream = Shard(1) if sp else Replicate()
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "norm": SequenceParallel() if sp else None,  # replicated below otherwise
-        "output": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if lp else Replicate(),
-                                  use_local_output=not lp),  # loss parallel needs the sharded DTensor
-    }
-    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items()
-                                        if style is not None and getattr(model, name) is not None})
-    if not sp and model.norm is not None:
-        replicate_norm(model.norm, tp_mesh)
-
-
-def apply_block_plan(block: torch.nn.Module, tp_mesh, sp: bool) -> None:
-    stream = Shard(1) if sp else Replicate()
-    plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=stream),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-        "feed_forward.w3": ColwiseParallel(),
-    }
+    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream) for name in layout.embeddings}
+    plan[layout.output] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if lp else Replicate(),
+                                          use_local_output=not lp)  # loss parallel needs the sharded DTensor
     if sp:
-        plan |= {
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
-            # All-gather the normed sequence once per sub-layer, not once per projection; RoPE is left alone.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
-                                            use_local_output=True),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),
-        }
-    parallelize_module(block, tp_mesh, plan)
+        plan |= {name: SequenceParallel() for name in layout.final_norms}
+    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items()
+                                        if attribute(model, name) is not None})
     if not sp:
-        replicate_norm(block.attention_norm, tp_mesh)
-        replicate_norm(block.ffn_norm, tp_mesh)
+        for name in layout.final_norms:
+            if attribute(model, name) is not None:
+                replicate_norm(attribute(model, name), tp_mesh)
+
+
+def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp: bool) -> None:
+    stream = Shard(1) if sp else Replicate()
+    plan = {name: ColwiseParallel() for name in layout.block_colwise}
+    plan |= {name: RowwiseParallel(output_layouts=stream) for name in layout.block_rowwise}
+    # Each rank normalizes its own heads: the norm's weight is replicated and its gradient summed over ranks.
+    plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in layout.head_norms}
+    if sp:
+        plan |= {name: SequenceParallel() for name in layout.block_norms}
+    parallelize_module(block, tp_mesh, plan)
+    if sp:
+        for name in layout.block_regions:
+            gather_stream_on_entry(block.get_submodule(name), tp_mesh)
+    else:
+        for name in layout.block_norms:
+            replicate_norm(block.get_submodule(name), tp_mesh)
+
+
+def gather_stream_on_entry(region: nn.Module, tp_mesh) -> None:
+    """All-gather the sequence-split residual stream (the region's first argument) once as it enters a
+    sub-layer, not once per projection; other arguments (RoPE tables, masks) pass untouched."""
+    def gather(module, args):
+        stream = args[0]  # a DTensor when a sequence-parallel norm produced it
+        if not isinstance(stream, DTensor):
+            stream = DTensor.from_local(stream, tp_mesh, [Shard(1)], run_check=False)
+        return (stream.redistribute(placements=[Replicate()]).to_local(), *args[1:])
+    region.register_forward_pre_hook(gather)
 
 
 def replicate_norm(norm: nn.Module, tp_mesh) -> None:
@@ -141,6 +150,6 @@ def apply_async_tp(tp_mesh) -> None:
 
 
 @hookimpl
-def batch_context(config):
-    # Cross entropy and its backward dispatch to the vocabulary-sharded versions only inside this context.
-    return loss_parallel() if config.plugins.tp.loss_parallel else None
+def batch_context(plugin_config):
+    """tp: cross entropy and its backward dispatch to the vocabulary-sharded versions inside this context."""
+    return loss_parallel() if plugin_config.loss_parallel else None

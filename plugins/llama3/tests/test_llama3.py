@@ -6,13 +6,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from titan_core.model import LlamaArgs, Transformer, llama_args, rope_frequencies
+from titan_core.init import init_weights
+from titan_core.testing import model_conformance
+from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
+from titan_llama3.plugin import llama_args, describe
 
-CONF = __import__("pathlib").Path(__file__).resolve().parents[1] / "titan_core" / "conf" / "model"
+CONF = __import__("pathlib").Path(__file__).resolve().parents[1] / "titan_llama3" / "conf" / "model"
 
 
 def published(name: str) -> LlamaArgs:
-    return llama_args(OmegaConf.load(CONF / f"{name}.yaml"), tokenizer_vocab_size=128256, seq_len=8192)
+    return llama_args(OmegaConf.load(CONF / f"{name}.yaml"), vocab_size=128256, seq_len=8192)
 
 
 @pytest.mark.parametrize("name, billions", [("8B", 8.03), ("70B", 70.55), ("405B", 405.85)])
@@ -46,7 +49,7 @@ def tiny_args(**overrides) -> LlamaArgs:
 
 def test_grouped_query_attention_shapes_and_causality():
     model = Transformer(tiny_args())
-    model.init_weights(seed=0)
+    init_weights(model, describe(model.args), 0)
     assert model.layers["0"].attention.wk.weight.shape == (2 * 16, 64)
     tokens = torch.randint(0, 96, (2, 16))
     logits = model(tokens)
@@ -64,7 +67,7 @@ def test_init_depends_on_the_seed_and_the_name_only():
         on_meta = Transformer(tiny_args())
     on_meta.to_empty(device="cpu")
     for model, seed in ((first, 0), (second, 0), (other, 1), (on_meta, 0)):
-        model.init_weights(seed)
+        init_weights(model, describe(model.args), seed)
     for (name, a), b, c, d in zip(first.named_parameters(), second.parameters(), other.parameters(),
                                   on_meta.parameters()):
         assert torch.equal(a, b) and torch.equal(a, d), name
@@ -78,7 +81,7 @@ def test_flops_per_token_counts_every_matmul_weight():
     matmul_weights = sum(p.numel() for n, p in model.named_parameters()
                          if "norm" not in n and n != "tok_embeddings.weight")
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * 16
-    assert model.flops_per_token(16) == 6 * matmul_weights + attention
+    assert describe(args).flops_per_token(16) == 6 * matmul_weights + attention
 
 
 def test_ffn_hidden_size_follows_the_published_rounding():
@@ -86,3 +89,6 @@ def test_ffn_hidden_size_follows_the_published_rounding():
     assert published("70B").ffn_hidden_dim == 28672
     assert published("405B").ffn_hidden_dim == 53248
     assert math.isclose(published("8B").head_dim, 128)
+
+
+test_llama3_conformance = model_conformance(["model=tiny"])

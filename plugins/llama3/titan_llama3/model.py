@@ -1,23 +1,19 @@
 """Llama 3 / 3.1: RoPE (with the 3.1 frequency scaling), grouped-query attention, SwiGLU, RMSNorm.
 
-Built on the meta device, parallelized there, then materialized with ``to_empty`` and ``init_weights``.
+Read top to bottom: the options, RoPE, attention, feed-forward, a block, the whole model. The model holds
+no parallelism and no initialization code: titan-core's plugins read its description (``plugin.py``).
 Blocks live in a ModuleDict keyed by layer index so that a pipeline stage that deletes the others keeps
-the same parameter names as the whole model.
+the same parameter names as the whole model, and ``forward`` skips the outer modules a stage set to None.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
-
-from titan_core.errors import ConfigError
 
 
 @dataclass
@@ -54,32 +50,6 @@ class LlamaArgs:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
 
-def llama_args(model_config, tokenizer_vocab_size: int, seq_len: int) -> LlamaArgs:
-    """The model arguments of ``config.model``, checked: shapes that divide, a vocabulary that fits."""
-    if "max_seq_len" in model_config:
-        raise ConfigError("model.max_seq_len", "is derived from training.seq_len", "set training.seq_len instead")
-    fields = {k: v for k, v in model_config.items() if k != "name" and k in LlamaArgs.__dataclass_fields__}
-    unknown = sorted(set(model_config) - set(fields) - {"name", "vocab_size"})
-    if unknown:
-        raise ConfigError(f"model.{unknown[0]}", "is not a Llama argument",
-                          f"use one of {', '.join(sorted(LlamaArgs.__dataclass_fields__))}")
-    fields["vocab_size"] = model_config.get("vocab_size") or tokenizer_vocab_size
-    args = LlamaArgs(**fields, max_seq_len=seq_len)
-    if args.dim % args.n_heads:
-        raise ConfigError("model.n_heads", f"dim {args.dim} is not divisible by n_heads {args.n_heads}",
-                          "choose n_heads dividing model.dim")
-    if args.head_dim % 2:
-        raise ConfigError("model.n_heads", f"head dim {args.head_dim} is odd and RoPE rotates pairs",
-                          "choose n_heads so that dim / n_heads is even")
-    if args.n_heads % args.kv_heads:
-        raise ConfigError("model.n_kv_heads", f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}",
-                          "choose n_kv_heads dividing model.n_heads")
-    if args.vocab_size < tokenizer_vocab_size:
-        raise ConfigError("model.vocab_size", f"{args.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}",
-                          "set model.vocab_size=null to take the tokenizer's size, or a larger value")
-    return args
-
-
 def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
     """Rotation angles' cos and sin per position and frequency: shape (max_seq_len, head_dim // 2, 2)."""
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
@@ -98,12 +68,14 @@ def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of x (batch, seq, heads, head_dim) by the angles in rope (seq, head_dim//2, 2)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
+    """Rotate x (batch, seq, heads, head_dim) by the angles in rope (seq, head_dim//2, 2).
+
+    Feature i is rotated with feature i + head_dim/2 (the layout of Hugging Face checkpoints, so weights
+    load without reordering).
+    """
+    first, second = x.float().chunk(2, dim=-1)
     cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
@@ -175,46 +147,3 @@ class Transformer(nn.Module):
             h = block(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Give every parameter its initial value, the same whatever the sharding or the wrappers.
-
-        Each parameter is drawn whole from a generator seeded by ``seed`` and its canonical name, and
-        each rank keeps its own shard of it, so a sharded run starts exactly where a single process does.
-        """
-        self.rope = rope_frequencies(self.args).to(self.rope.device)
-        for name, param in self.named_parameters():
-            name = canonical_name(name)
-            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-            generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("norm.weight"):
-                full.fill_(1.0)
-            elif name == "tok_embeddings.weight":
-                full.normal_(0.0, 1.0, generator=generator)
-            elif name == "output.weight":
-                full.normal_(0.0, self.args.dim ** -0.5, generator=generator)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                # Residual-stream writers are scaled down with depth so the stream's variance stays put.
-                full.normal_(0.0, 0.02 / math.sqrt(2 * self.args.n_layers), generator=generator)
-            else:
-                full.normal_(0.0, 0.02, generator=generator)
-            if isinstance(param, DTensor):
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(full)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per non-embedding weight plus the attention score and value matmuls
-        (counted without the causal half, as the MFU figures of other trainers are)."""
-        a = self.args
-        n_dense = a.n_layers * (2 * a.dim * a.dim + 2 * a.dim * a.kv_heads * a.head_dim
-                                + 3 * a.dim * a.ffn_hidden_dim) + a.dim * a.vocab_size
-        return 6 * n_dense + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
-
-
-# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names.
-_WRAPPER_PREFIXES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
-
-
-def canonical_name(name: str) -> str:
-    return _WRAPPER_PREFIXES.sub("", name)

@@ -1,0 +1,160 @@
+"""The Llama 3 model plugin: its options, its description for the parallelism plugins, its HF names."""
+
+from __future__ import annotations
+
+import math
+
+from titan_core import ConfigError, hookimpl
+from titan_core.description import SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout
+from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
+
+FAMILY = "llama3"
+BLOCK_NAMES = {  # titan-core name inside a block -> Hugging Face name inside model.layers.<i>
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+OUTER_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+
+
+def llama_args(model_config, vocab_size: int, seq_len: int) -> LlamaArgs:
+    """The model arguments of ``config.model``, checked: shapes that divide, a vocabulary that fits."""
+    if "max_seq_len" in model_config:
+        raise ConfigError("model.max_seq_len", "is derived from training.seq_len", "set training.seq_len instead")
+    fields = {k: v for k, v in model_config.items() if k in LlamaArgs.__dataclass_fields__}
+    unknown = sorted(set(model_config) - set(fields) - {"name"})
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}", "is not a Llama 3 option",
+                          f"use one of {', '.join(sorted(LlamaArgs.__dataclass_fields__))}")
+    fields["vocab_size"] = model_config.get("vocab_size") or vocab_size
+    args = LlamaArgs(**{**fields, "max_seq_len": seq_len})
+    if args.dim % args.n_heads:
+        raise ConfigError("model.n_heads", f"dim {args.dim} is not divisible by n_heads {args.n_heads}",
+                          "choose n_heads dividing model.dim")
+    if args.head_dim % 2:
+        raise ConfigError("model.n_heads", f"head dim {args.head_dim} is odd and RoPE rotates its two halves",
+                          "choose n_heads so that dim / n_heads is even")
+    if args.n_heads % args.kv_heads:
+        raise ConfigError("model.n_kv_heads", f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}",
+                          "choose n_kv_heads dividing model.n_heads")
+    if args.vocab_size < vocab_size:
+        raise ConfigError("model.vocab_size", f"{args.vocab_size} is smaller than the tokenizer's {vocab_size}",
+                          "set model.vocab_size=null to take the tokenizer's size, or a larger value")
+    return args
+
+
+def param_init(args: LlamaArgs):
+    def rule(name: str) -> ParamInit:
+        if name.endswith("norm.weight"):
+            return ParamInit.constant(1.0)
+        if name == "tok_embeddings.weight":
+            return ParamInit.normal(1.0)
+        if name == "output.weight":
+            return ParamInit.normal(args.dim ** -0.5)
+        if name.endswith(("wo.weight", "w2.weight")):
+            # Residual-stream writers are scaled down with depth so the stream's variance stays put.
+            return ParamInit.normal(0.02 / math.sqrt(2 * args.n_layers))
+        return ParamInit.normal(0.02)
+    return rule
+
+
+def flops_per_token(args: LlamaArgs):
+    """Training FLOPs per token: 6 per non-embedding weight plus the attention score and value matmuls
+    (counted without the causal half, as the MFU figures of other trainers are)."""
+    n_dense = args.n_layers * (2 * args.dim * args.dim + 2 * args.dim * args.kv_heads * args.head_dim
+                               + 3 * args.dim * args.ffn_hidden_dim) + args.dim * args.vocab_size
+    return lambda seq_len: 6 * n_dense + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def hf_config(args: LlamaArgs) -> dict:
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling_factor is not None:
+        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": args.rope_scaling_factor,
+                "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
+                "original_max_position_embeddings": args.rope_original_max_positions}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps, "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        # transformers 5 reads rope_parameters; earlier versions rope_theta and rope_scaling.
+        "rope_parameters": rope, "rope_theta": args.rope_theta,
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling_factor else None,
+    }
+
+
+def options_from_hf(config: dict) -> dict:
+    """``model.*`` options reproducing a Hugging Face Llama config."""
+    if config.get("model_type") != "llama":
+        raise ConfigError("model.name", f"config.json is model_type '{config.get('model_type')}', not llama",
+                          "import it with the model plugin of its family")
+    rope = config.get("rope_parameters") or {**(config.get("rope_scaling") or {}),
+                                             "rope_theta": config.get("rope_theta", 10000.0)}
+    scaled = rope.get("rope_type", rope.get("type")) == "llama3"
+    intermediate = config["intermediate_size"]
+    return {
+        "name": FAMILY, "dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
+        "n_heads": config["num_attention_heads"], "n_kv_heads": config.get("num_key_value_heads"),
+        "vocab_size": config["vocab_size"],
+        # One multiple equal to the hidden size itself reproduces it exactly whatever rounding made it.
+        "multiple_of": intermediate, "ffn_dim_multiplier": intermediate / int(2 * 4 * config["hidden_size"] / 3),
+        "norm_eps": config["rms_norm_eps"], "rope_theta": rope["rope_theta"],
+        "rope_scaling_factor": rope["factor"] if scaled else None,
+        "rope_low_freq_factor": rope.get("low_freq_factor", 1.0),
+        "rope_high_freq_factor": rope.get("high_freq_factor", 4.0),
+        "rope_original_max_positions": rope.get("original_max_position_embeddings", 8192),
+    }
+
+
+def to_hf(name: str) -> str:
+    if name in OUTER_NAMES:
+        return OUTER_NAMES[name]
+    _, layer, rest = name.split(".", 2)
+    return f"model.layers.{layer}.{BLOCK_NAMES[rest]}"
+
+
+def from_hf(name: str) -> str | None:
+    outer = {hf: titan for titan, hf in OUTER_NAMES.items()}
+    if name in outer:
+        return outer[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        titan = {hf: t for t, hf in BLOCK_NAMES.items()}.get(parts[3])
+        return f"layers.{parts[2]}.{titan}" if titan else None
+    return None
+
+
+@hookimpl
+def describe_model(model_config, vocab_size, seq_len):
+    """Llama 3: check the options, and describe blocks, TP layout, RoPE positions and HF names."""
+    return describe(llama_args(model_config, vocab_size, seq_len))
+
+
+def describe(args: LlamaArgs) -> ModelDescription:
+    return ModelDescription(
+        family=FAMILY, args=args, n_layers=args.n_layers,
+        param_init=param_init(args), flops_per_token=flops_per_token(args),
+        blocks="layers", inputs=("tok_embeddings",), outputs=("norm", "output"),
+        tensor_parallel=TensorParallelLayout(
+            block_colwise=("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
+            block_rowwise=("attention.wo", "feed_forward.w2"),
+            block_norms=("attention_norm", "ffn_norm"), block_regions=("attention", "feed_forward"),
+            embeddings=("tok_embeddings",), final_norms=("norm",), output="output",
+            divisible={"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads}),
+        attention=SDPA_CAUSAL, position_buffers=("rope",),
+        init_buffers=lambda part: part.rope.copy_(rope_frequencies(args)),
+        float8_skip=("output",),
+        hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
+                     tied={"output.weight": "tok_embeddings.weight"}),
+    )
+
+
+@hookimpl
+def build_model(description):
+    """Llama 3: the Transformer of the described options."""
+    return Transformer(description.args)
+

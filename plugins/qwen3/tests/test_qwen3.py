@@ -1,0 +1,61 @@
+"""Qwen3: published sizes, transformers reads our export with equal logits, import gives the model back,
+and the conformance kit."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from titan_checkpoint.hf import export_hf, import_hf
+from titan_core.init import init_weights
+from titan_core.testing import model_conformance
+from titan_qwen3.model import Qwen3
+from titan_qwen3.plugin import describe, qwen3_args
+
+CONF = Path(__file__).resolve().parents[1] / "titan_qwen3" / "conf" / "model"
+LOGIT_TOLERANCE = 1e-5
+TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+
+test_qwen3_conformance = model_conformance(["model=qwen3_tiny"])
+
+
+@pytest.mark.parametrize("name, billions", [("qwen3_0.6B", 0.596), ("qwen3_8B", 8.19), ("qwen3_32B", 32.76)])
+def test_published_sizes(name, billions):
+    with torch.device("meta"):
+        model = Qwen3(qwen3_args(OmegaConf.load(CONF / f"{name}.yaml"), vocab_size=151936, seq_len=4096))
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def tiny_qwen3(tied: bool) -> Qwen3:
+    options = {**OmegaConf.to_container(OmegaConf.load(CONF / "qwen3_tiny.yaml")), "tie_word_embeddings": tied,
+               "rope_theta": 10000.0}
+    model = Qwen3(qwen3_args(options, vocab_size=300, seq_len=32))
+    init_weights(model, describe(model.args), 3)
+    with torch.no_grad():  # norms start at 1: move them, or a transposed or skipped norm would go unseen
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_transformers_reads_the_export_with_equal_logits_and_import_gives_it_back(tmp_path, tied):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_qwen3(tied)
+    adapter = describe(model.args).hf
+    export_hf(model.state_dict(), adapter, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is tied
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(TOKENS)
+        diff = (hf(TOKENS).logits - expected).abs().max().item()
+    print(f"max logit diff against transformers' Qwen3 ({'tied' if tied else 'untied'}): {diff:.2e}")
+    assert diff <= LOGIT_TOLERANCE
+
+    options, weights = import_hf(tmp_path, adapter)
+    rebuilt = Qwen3(qwen3_args(options, vocab_size=300, seq_len=32))
+    rebuilt.load_state_dict(weights)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(TOKENS), expected)

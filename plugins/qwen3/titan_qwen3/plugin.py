@@ -1,0 +1,105 @@
+"""The Qwen3 model plugin: its options (Hugging Face's config names), its description, its HF names."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+from titan_core import ConfigError, hookimpl
+from titan_core.description import SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout
+from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
+
+FAMILY = "qwen3"
+OPTIONS = tuple(f.name for f in fields(Qwen3Args) if f.name != "seq_len")
+
+
+def qwen3_args(model_config, vocab_size: int, seq_len: int) -> Qwen3Args:
+    unknown = sorted(set(model_config) - set(OPTIONS) - {"name"})
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}", "is not a Qwen3 option", f"use one of {', '.join(OPTIONS)}")
+    options = {k: v for k, v in model_config.items() if k in OPTIONS}
+    args = Qwen3Args(**{**options, "vocab_size": options.get("vocab_size") or vocab_size, "seq_len": seq_len})
+    if args.num_attention_heads % args.num_key_value_heads:
+        raise ConfigError("model.num_key_value_heads", f"{args.num_key_value_heads} does not divide "
+                          f"num_attention_heads {args.num_attention_heads}", "choose a divisor of num_attention_heads")
+    if args.head_dim % 2:
+        raise ConfigError("model.head_dim", f"{args.head_dim} is odd and RoPE rotates its two halves",
+                          "use an even head_dim")
+    if args.vocab_size < vocab_size:
+        raise ConfigError("model.vocab_size", f"{args.vocab_size} is smaller than the tokenizer's {vocab_size}",
+                          "set model.vocab_size=null to take the tokenizer's size")
+    return args
+
+
+def param_init(args: Qwen3Args):
+    def rule(name: str) -> ParamInit:
+        if name.endswith("norm.weight"):
+            return ParamInit.constant(1.0)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):  # residual writers, scaled down with depth
+            return ParamInit.normal(0.02 / math.sqrt(2 * args.num_hidden_layers))
+        return ParamInit.normal(0.02)
+    return rule
+
+
+def flops_per_token(args: Qwen3Args):
+    attention = args.hidden_size * args.head_dim * 2 * (args.num_attention_heads + args.num_key_value_heads)
+    weights = args.num_hidden_layers * (attention + 3 * args.hidden_size * args.intermediate_size)
+    weights += args.hidden_size * args.vocab_size
+    return lambda seq_len: 6 * weights + 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
+
+
+def hf_config(args: Qwen3Args) -> dict:
+    options = {name: getattr(args, name) for name in OPTIONS}
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+            "attention_bias": False, "max_position_embeddings": args.seq_len, **options,
+            # transformers 5 reads rope_parameters; earlier versions rope_theta.
+            "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
+
+
+def options_from_hf(config: dict) -> dict:
+    """``model.*`` options reproducing a Hugging Face Qwen3 config."""
+    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1000000.0)}
+    options = {name: config[name] for name in OPTIONS if name in config}
+    return {"name": FAMILY, **options, "rope_theta": rope["rope_theta"]}
+
+
+def to_hf(name: str) -> str:
+    return name if name == "lm_head.weight" else f"model.{name}"
+
+
+def from_hf(name: str) -> str | None:
+    return name if name == "lm_head.weight" else name.removeprefix("model.") if name.startswith("model.") else None
+
+
+@hookimpl
+def describe_model(model_config, vocab_size, seq_len):
+    """Qwen3: check the options; describe blocks, TP layout (QK-norm per head), RoPE positions, HF names."""
+    return describe(qwen3_args(model_config, vocab_size, seq_len))
+
+
+def describe(args: Qwen3Args) -> ModelDescription:
+    untied = not args.tie_word_embeddings  # a tied output layer is the embedding: no split point, no TP layout
+    return ModelDescription(
+        family=FAMILY, args=args, n_layers=args.num_hidden_layers,
+        param_init=param_init(args), flops_per_token=flops_per_token(args),
+        blocks="layers",
+        inputs=("embed_tokens",) if untied else None, outputs=("norm", "lm_head") if untied else None,
+        tensor_parallel=TensorParallelLayout(
+            block_colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+            block_rowwise=("self_attn.o_proj", "mlp.down_proj"), head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+            block_norms=("input_layernorm", "post_attention_layernorm"), block_regions=("self_attn", "mlp"),
+            embeddings=("embed_tokens",), final_norms=("norm",), output="lm_head",
+            divisible={"model.num_attention_heads": args.num_attention_heads,
+                       "model.num_key_value_heads": args.num_key_value_heads}) if untied else None,
+        attention=SDPA_CAUSAL, position_buffers=("rope",),
+        init_buffers=lambda part: part.rope.copy_(rope_table(args)),
+        float8_skip=("lm_head",),
+        hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
+                     tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
+    )
+
+
+@hookimpl
+def build_model(description):
+    """Qwen3: the model of the described options."""
+    return Qwen3(description.args)

@@ -1,0 +1,153 @@
+"""The model and plugin contract, tried the way an outsider would: a model plugin and a plugin written from
+docs/writing-models.md and docs/writing-plugins.md, installed for the test."""
+
+import json
+
+import pytest
+
+from titan_core.testing import TINY, compare, error_line, install_plugins, run_job
+
+# A model the core has never seen: its own names, learned positions computed inside forward, and a
+# description that says only what it must. Plugins that need more must refuse it, never train it wrong.
+BARE_MODEL = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_core import hookimpl
+from titan_core.description import SDPA_CAUSAL, ModelDescription, ParamInit
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
+        return x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+class Bare(nn.Module):
+    def __init__(self, vocab, dim, layers, seq):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.stack = nn.ModuleDict({str(i): Block(dim) for i in range(layers)})
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.stack.values():
+            h = block(h)
+        return self.head(h)
+
+
+@hookimpl
+def describe_model(model_config, vocab_size, seq_len):
+    return ModelDescription(family="bare", args=(vocab_size, model_config.dim, model_config.layers, seq_len),
+                            n_layers=model_config.layers, blocks="stack", attention=SDPA_CAUSAL,
+                            param_init=lambda name: ParamInit.constant(0.0) if name.endswith("bias")
+                            else ParamInit.normal(0.02),
+                            flops_per_token=lambda seq: 6.0 * seq)
+
+
+@hookimpl
+def build_model(description):
+    return Bare(*description.args)
+"""
+
+# A plugin without declare that uses the lifecycle hooks: it replaces the LR schedule by a constant,
+# checks the weights exist after init, sees the optimizer after each step and reads its own options.
+PROBE = """
+import json
+import torch
+from titan_core import hookimpl
+
+seen = {"after_init": None, "optimizer_steps": 0}
+
+
+@hookimpl
+def build_lr_scheduler(optimizer, plugin_config):
+    for group in optimizer.param_groups:
+        group["lr"] = plugin_config.lr
+    return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+
+
+@hookimpl
+def after_init(model_parts):
+    seen["after_init"] = all(not p.is_meta for part in model_parts for p in part.parameters())
+
+
+@hookimpl
+def after_optimizer_step(optimizer, step):
+    seen["optimizer_steps"] += bool(optimizer.state)
+
+
+@hookimpl
+def on_train_end(plugin_config):
+    with open(plugin_config.out, "w") as f:
+        json.dump(seen, f)
+"""
+
+TYPO = """
+from titan_core import hookimpl
+
+
+@hookimpl
+def apply_paralelism(model_parts):
+    pass
+"""
+
+
+@pytest.fixture
+def outsiders(tmp_path):
+    return install_plugins(tmp_path / "site", {"probe": (PROBE, "lr: 5.0e-4\nout: null\n"), "typo": (TYPO, "")},
+                           distribution="outsider", models={"bare": (BARE_MODEL, {"bare_tiny": "name: bare\ndim: 32\n"
+                                                                                               "layers: 2\n"})})
+
+
+BARE = [*TINY, "model=bare_tiny"]
+
+
+@pytest.mark.slow
+def test_an_outside_model_trains_sharded_like_one_process(tmp_path, outsiders):
+    reference = run_job(BARE, tmp_path / "one", env=outsiders)
+    report = compare(run_job([*BARE, "+plugins=[fsdp,ac]", "plugins.fsdp.degree=2"], tmp_path / "fsdp", env=outsiders),
+                     reference)
+    assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+
+
+@pytest.mark.parametrize("plugin, lacking, what", [
+    ("cp", "position_buffers", "context parallel"),
+    ("pp", "inputs", "pipeline parallel"),
+    ("tp", "tensor_parallel", "tensor parallel"),
+])
+def test_plugins_refuse_what_the_model_does_not_describe(tmp_path, outsiders, plugin, lacking, what):
+    result = run_job([*BARE, "launch.dry_run=true", f"+plugins=[{plugin}]"], tmp_path, expect_success=False,
+                     env=outsiders)
+    assert f"model 'bare' does not describe {lacking}, which {what}" in error_line(result)
+
+
+def test_model_options_are_the_models_own(tmp_path, outsiders):
+    result = run_job([*TINY, "launch.dry_run=true", "+model.n_positions=64"], tmp_path / "llama", expect_success=False)
+    assert "model.n_positions: is not a Llama 3 option" in error_line(result)
+    result = run_job([*BARE, "launch.dry_run=true", "model.name=nosuch"], tmp_path / "name", expect_success=False,
+                     env=outsiders)
+    assert "model.name: no installed model plugin is named 'nosuch' (installed: bare," in error_line(result)
+
+
+def test_a_misspelled_hook_is_refused_at_start(tmp_path, outsiders):
+    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[typo]"], tmp_path, expect_success=False, env=outsiders)
+    line = error_line(result)
+    assert "plugins.typo:" in line and "apply_paralelism" in line
+
+
+def test_lifecycle_hooks_and_own_options(tmp_path, outsiders):
+    out = tmp_path / "seen.json"
+    result = run_job([*TINY, "training.steps=3", "+plugins=[probe]", f"plugins.probe.out={out}"], tmp_path / "run",
+                     env=outsiders)
+    assert [m["lr"] for m in result.metrics] == [5e-4] * 3  # the lr the optimizer used, set by the plugin
+    assert json.loads(out.read_text()) == {"after_init": True, "optimizer_steps": 3}
+    assert "   -  probe" in result.stdout  # no declare: no stage, still in the plan

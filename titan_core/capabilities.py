@@ -1,0 +1,15 @@
+"""Capability names that plugins share: one plugin provides each, others require or look for it.
+
+Plugins never name each other; they speak through these names (``Declaration.provides`` and
+``requires``) and through the mesh. A third-party plugin that provides one of these takes the place of
+the first-party plugin that does, and two enabled providers of one name are refused before launch.
+"""
+
+PIPELINE = "pipeline"  # splits the model into stages and builds the schedule that runs them
+TENSOR_PARALLEL = "tensor_parallel"
+CONTEXT_PARALLEL = "context_parallel"
+# Shards parameters over the data-parallel ranks (dp_shard, flattened with cp when present) and averages
+# gradients there: FSDP2 or SimpleFSDP.
+DATA_PARALLEL_SHARDING = "data_parallel_sharding"
+COMPILE = "compile"  # compiles the blocks with torch.compile
+CHECKPOINTING = "checkpointing"  # saves and restores the training state

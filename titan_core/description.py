@@ -1,0 +1,171 @@
+"""What a model tells the rest of titan-core about itself: the model contract.
+
+A model plugin returns a :class:`ModelDescription` from its ``describe_model`` hook. Every parallelism
+plugin reads this description instead of knowing a model's module names: FSDP and activation
+checkpointing wrap the modules of ``blocks``, pipeline parallel keeps some blocks and drops ``inputs`` or
+``outputs`` per stage, tensor parallel applies ``tensor_parallel``, context parallel splits the
+``position_buffers`` and relies on the ``attention`` seam, float8 skips ``float8_skip``, the core
+initializes each shard by ``param_init`` and computes MFU from ``flops_per_token``, the checkpoint plugin
+maps names through ``hf``. A field left at None means "this model does not support it", and the plugin
+that needs it refuses before launch with one line naming the field.
+
+Paths are dotted attribute paths (``transformer.h``): ``blocks``, ``inputs``, ``outputs``, ``position_buffers``
+and the tensor-parallel root paths from the model's root, the tensor-parallel ``block_*`` paths from one
+block (as ``block.named_modules()`` names them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+# The attention seam context parallel understands: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
+# on (batch, heads, seq, head_dim) tensors, with no mask and nothing else mixing positions.
+SDPA_CAUSAL = "sdpa_causal"
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How one parameter starts: drawn from N(0, std), or filled with ``fill`` when std is None."""
+
+    std: float | None = None
+    fill: float = 0.0
+
+    @classmethod
+    def normal(cls, std: float) -> ParamInit:
+        return cls(std=std)
+
+    @classmethod
+    def constant(cls, value: float) -> ParamInit:
+        return cls(fill=value)
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """How the tensor-parallel plugin splits this model (Megatron style), by module path.
+
+    Inside each block: ``block_colwise`` linears are split by output features (whole heads, slices of the
+    hidden units), ``block_rowwise`` linears by input features (their outputs are summed back into the
+    residual stream), ``block_norms`` are norms on the residual stream (split along the sequence under
+    sequence parallel, replicated otherwise), ``head_norms`` are norms applied per head to a
+    (batch, seq, heads, head_dim) tensor (QK-norm: each rank normalizes its own heads), and
+    ``block_regions`` are the sub-modules entered from the residual stream, whose first positional argument
+    is the stream (sequence parallel gathers it there; compile compiles them one by one under TP).
+    On the root: ``embeddings`` are lookup tables split by rows (vocabulary or positions; their input ids
+    are replicated and their output is the residual stream), ``final_norms`` norms on the stream,
+    ``output`` the linear producing the logits (split by vocabulary; loss parallel keeps it split).
+    ``divisible`` maps a config field to the count the tp degree must divide (attention heads).
+    """
+
+    block_colwise: tuple[str, ...]
+    block_rowwise: tuple[str, ...]
+    block_norms: tuple[str, ...]
+    block_regions: tuple[str, ...]
+    embeddings: tuple[str, ...]
+    final_norms: tuple[str, ...]
+    output: str
+    head_norms: tuple[str, ...] = ()
+    divisible: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """How the model reads and writes a Hugging Face folder (``config.json`` + safetensors).
+
+    ``config`` is the folder's config.json for this model, without the dtype fields. ``to_hf`` maps a
+    canonical parameter name to the file's tensor name; ``from_hf`` maps back (None for tensors the
+    model does not hold). ``tied`` maps a parameter to the one it is copied from when the file lacks it
+    (tied word embeddings). ``options_from_hf`` turns a config.json into this model's options
+    (``model.*`` fields), for converting a downloaded model into a titan-core preset.
+    """
+
+    config: Mapping[str, Any]
+    to_hf: Callable[[str], str]
+    from_hf: Callable[[str], str | None]
+    options_from_hf: Callable[[Mapping[str, Any]], dict]
+    tied: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A model as the parallelism plugins and the core see it.
+
+    Required:
+      ``family``: the model plugin's name (``model.name``).
+      ``args``: the model's own resolved options; the core hands them back to ``build_model``.
+      ``n_layers``: how many blocks ``blocks`` holds, keyed "0" .. "n_layers - 1" (global indices, kept
+      by pipeline stages so that parameter names never change).
+      ``param_init(name) -> ParamInit``: the initial distribution of a parameter, by canonical name.
+      ``flops_per_token(seq_len)``: training FLOPs per token, for MFU.
+
+    Optional (None: the plugins that need it refuse the model before launch):
+      ``blocks``: the root attribute holding the blocks as an ``nn.ModuleDict`` (FSDP units, checkpointing
+      and compile units, pipeline split points).
+      ``inputs`` / ``outputs``: the root modules run before / after the blocks (embeddings; final norm and
+      output). A pipeline stage sets those it does not run to None, and the model's ``forward`` must then
+      skip them and take or return the residual stream instead.
+      ``tensor_parallel``: a :class:`TensorParallelLayout`.
+      ``attention``: the attention seam, :data:`SDPA_CAUSAL` when the blocks attend through causal SDPA.
+      ``position_buffers``: root buffers indexed by position along their first dimension (RoPE tables,
+      position ids), which context parallel splits exactly like the tokens so that each shard sees its
+      global positions; () for a model without positions.
+      ``init_buffers(part)``: fills a model part's non-persistent buffers after ``to_empty``.
+      ``float8_skip``: canonical-name fragments of linears float8 must leave in high precision.
+      ``hf``: an :class:`HFAdapter`.
+    """
+
+    family: str
+    args: Any
+    n_layers: int
+    param_init: Callable[[str], ParamInit]
+    flops_per_token: Callable[[int], float]
+    blocks: str | None = "layers"
+    inputs: tuple[str, ...] | None = None
+    outputs: tuple[str, ...] | None = None
+    tensor_parallel: TensorParallelLayout | None = None
+    attention: str | None = None
+    position_buffers: tuple[str, ...] | None = None
+    init_buffers: Callable[[nn.Module], None] | None = None
+    float8_skip: tuple[str, ...] = ()
+    hf: HFAdapter | None = None
+
+    def blocks_of(self, part: nn.Module) -> nn.ModuleDict:
+        """The blocks a model part holds (all of them, or a pipeline stage's)."""
+        if self.blocks is None:
+            raise RuntimeError(f"model {self.family} describes no blocks")
+        return attribute(part, self.blocks)
+
+
+def attribute(root: nn.Module, path: str):
+    """The module, parameter or buffer at dotted ``path`` under ``root``; None where a stage dropped it."""
+    value = root
+    for name in path.split("."):
+        value = getattr(value, name)
+        if value is None:
+            return None
+    return value
+
+
+def drop(root: nn.Module, path: str) -> None:
+    """Set the module at dotted ``path`` to None (a pipeline stage that does not run it)."""
+    parent, _, name = path.rpartition(".")
+    setattr(attribute(root, parent) if parent else root, name, None)
+
+
+def lacks(description: ModelDescription, what: str, plugin: str) -> str:
+    """The one-line reason a plugin refuses a model whose description leaves ``what`` unset."""
+    return (f"model '{description.family}' does not describe {what}, which {plugin} needs "
+            f"(ModelDescription.{what} is None)")
+
+
+# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names.
+_WRAPPER_PREFIXES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with the wrappers' segments removed: the same under every plan."""
+    return _WRAPPER_PREFIXES.sub("", name)
