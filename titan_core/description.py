@@ -23,6 +23,8 @@ from typing import Any
 
 from torch import nn
 
+from titan_core.errors import ConfigError
+
 # The attention seam context parallel understands: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
 # on (batch, heads, seq, head_dim) tensors, with no mask and nothing else mixing positions.
 SDPA_CAUSAL = "sdpa_causal"
@@ -154,6 +156,20 @@ def drop(root: nn.Module, path: str) -> None:
     """Set the module at dotted ``path`` to None (a pipeline stage that does not run it)."""
     parent, _, name = path.rpartition(".")
     setattr(attribute(root, parent) if parent else root, name, None)
+
+
+def read_options(model_config, known, family: str, tokenizer_vocab_size: int) -> dict:
+    """A model's options from ``config.model``: unknown fields refused (one line naming the field), and
+    ``vocab_size`` null taking the tokenizer's size, never smaller than it."""
+    unknown = sorted(set(model_config) - set(known) - {"name"})
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}", f"is not a {family} option", f"use one of {', '.join(sorted(known))}")
+    options = {k: v for k, v in model_config.items() if k in known}
+    options["vocab_size"] = options.get("vocab_size") or tokenizer_vocab_size
+    if options["vocab_size"] < tokenizer_vocab_size:
+        raise ConfigError("model.vocab_size", f"{options['vocab_size']} is smaller than the tokenizer's "
+                          f"{tokenizer_vocab_size}", "set model.vocab_size=null to take the tokenizer's size")
+    return options
 
 
 def lacks(description: ModelDescription, what: str, plugin: str) -> str:

@@ -5,27 +5,20 @@ from __future__ import annotations
 import math
 
 from titan_core import ConfigError, hookimpl
-from titan_core.description import SDPA_CAUSAL, ModelDescription, ParamInit, TensorParallelLayout
+from titan_core.description import SDPA_CAUSAL, ModelDescription, ParamInit, TensorParallelLayout, read_options
 from titan_gpt2.model import GPT2, GPT2Args
 
 OPTIONS = ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "layer_norm_eps")
 
 
 def gpt2_args(model_config, vocab_size: int, seq_len: int) -> GPT2Args:
-    unknown = sorted(set(model_config) - set(OPTIONS) - {"name"})
-    if unknown:
-        raise ConfigError(f"model.{unknown[0]}", "is not a GPT-2 option", f"use one of {', '.join(OPTIONS)}")
-    options = {k: v for k, v in model_config.items() if k in OPTIONS}
-    args = GPT2Args(**{**options, "vocab_size": options.get("vocab_size") or vocab_size, "seq_len": seq_len})
+    args = GPT2Args(**read_options(model_config, OPTIONS, "GPT-2", vocab_size), seq_len=seq_len)
     if args.n_embd % args.n_head:
         raise ConfigError("model.n_head", f"n_embd {args.n_embd} is not divisible by n_head {args.n_head}",
                           "choose n_head dividing model.n_embd")
     if seq_len > args.n_positions:
         raise ConfigError("training.seq_len", f"{seq_len} is longer than the {args.n_positions} learned positions",
                           "use a shorter seq_len or a larger model.n_positions")
-    if args.vocab_size < vocab_size:
-        raise ConfigError("model.vocab_size", f"{args.vocab_size} is smaller than the tokenizer's {vocab_size}",
-                          "set model.vocab_size=null to take the tokenizer's size")
     return args
 
 

@@ -67,5 +67,10 @@ def keep_results_of(op_names):
     saved = {getattr(torch.ops.aten, name) for name in op_names}
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op.overloadpacket in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        # Only functional overloads: inside a compiled region (tp + compile compiles sub-layers inside the
+        # checkpointed block) inductor calls ``mm.out`` into buffers it reuses, and a saved buffer that is
+        # later overwritten fails backward ("Tensor cached during selective activation checkpoint has been
+        # mutated"). Those results are recomputed instead.
+        keep = op.overloadpacket in saved and not op._schema.is_mutable
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return partial(create_selective_checkpoint_contexts, policy)

@@ -82,3 +82,27 @@ def test_bad_folders_are_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="has no model.safetensors"):
         hf_shapes(tmp_path, adapter, ["norm.weight"])
+
+
+@pytest.mark.slow
+def test_sharded_import_reads_each_ranks_slices_only(tmp_path):
+    import re
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from titan_core.testing import TINY, run_job
+
+    conf = Path(__file__).resolve().parents[2] / "llama3" / "titan_llama3" / "conf" / "model" / "tiny.yaml"
+    model = Transformer(llama_args(OmegaConf.load(conf), vocab_size=264, seq_len=32))
+    init_weights(model, describe(model.args), 5)  # not the run's seed: the weights must come from the files
+    export_hf(model.state_dict(), describe(model.args).hf, tmp_path / "hf")
+    result = run_job([*TINY, "training.steps=0", "+plugins=[fsdp,checkpoint]", "plugins.fsdp.degree=2",
+                      f"plugins.checkpoint.load_path={tmp_path / 'hf'}"], tmp_path / "run")
+    weights = result.final_weights()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    total = sum(v.nbytes for v in model.state_dict().values())
+    read = [int(re.search(r"read (\d+) bytes", (tmp_path / "run" / "logs" / f"rank{r}.log").read_text()).group(1))
+            for r in range(2)]
+    print(f"bytes read per rank {read} of {total}")
+    assert sum(read) == total and max(read) <= 0.55 * total

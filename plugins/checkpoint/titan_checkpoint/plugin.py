@@ -189,7 +189,7 @@ class Checkpointer:
         wanted = model_tensors(model_parts)
         check_loadable(wanted, hf_shapes(folder, adapter, [k[len("model."):] for k in wanted]), folder)
         read = load_hf_slices(model_parts, folder, adapter)
-        log.info("read %.3g MB of %s on this rank", read / 1e6, folder)
+        log.info("read %d bytes of %s on this rank", read, folder)
 
     def wait(self) -> None:
         """Finish the save in flight, raising its error if it failed."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from titan_core import ConfigError, hookimpl
-from titan_core.description import SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout
+from titan_core.description import (SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
+                                    read_options)
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 
 FAMILY = "llama3"
@@ -24,13 +25,8 @@ def llama_args(model_config, vocab_size: int, seq_len: int) -> LlamaArgs:
     """The model arguments of ``config.model``, checked: shapes that divide, a vocabulary that fits."""
     if "max_seq_len" in model_config:
         raise ConfigError("model.max_seq_len", "is derived from training.seq_len", "set training.seq_len instead")
-    fields = {k: v for k, v in model_config.items() if k in LlamaArgs.__dataclass_fields__}
-    unknown = sorted(set(model_config) - set(fields) - {"name"})
-    if unknown:
-        raise ConfigError(f"model.{unknown[0]}", "is not a Llama 3 option",
-                          f"use one of {', '.join(sorted(LlamaArgs.__dataclass_fields__))}")
-    fields["vocab_size"] = model_config.get("vocab_size") or vocab_size
-    args = LlamaArgs(**{**fields, "max_seq_len": seq_len})
+    known = set(LlamaArgs.__dataclass_fields__) - {"max_seq_len"}
+    args = LlamaArgs(**read_options(model_config, known, "Llama 3", vocab_size), max_seq_len=seq_len)
     if args.dim % args.n_heads:
         raise ConfigError("model.n_heads", f"dim {args.dim} is not divisible by n_heads {args.n_heads}",
                           "choose n_heads dividing model.dim")
@@ -40,9 +36,6 @@ def llama_args(model_config, vocab_size: int, seq_len: int) -> LlamaArgs:
     if args.n_heads % args.kv_heads:
         raise ConfigError("model.n_kv_heads", f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}",
                           "choose n_kv_heads dividing model.n_heads")
-    if args.vocab_size < vocab_size:
-        raise ConfigError("model.vocab_size", f"{args.vocab_size} is smaller than the tokenizer's {vocab_size}",
-                          "set model.vocab_size=null to take the tokenizer's size, or a larger value")
     return args
 
 

@@ -6,7 +6,8 @@ import math
 from dataclasses import fields
 
 from titan_core import ConfigError, hookimpl
-from titan_core.description import SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout
+from titan_core.description import (SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
+                                    read_options)
 from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
 
 FAMILY = "qwen3"
@@ -14,20 +15,13 @@ OPTIONS = tuple(f.name for f in fields(Qwen3Args) if f.name != "seq_len")
 
 
 def qwen3_args(model_config, vocab_size: int, seq_len: int) -> Qwen3Args:
-    unknown = sorted(set(model_config) - set(OPTIONS) - {"name"})
-    if unknown:
-        raise ConfigError(f"model.{unknown[0]}", "is not a Qwen3 option", f"use one of {', '.join(OPTIONS)}")
-    options = {k: v for k, v in model_config.items() if k in OPTIONS}
-    args = Qwen3Args(**{**options, "vocab_size": options.get("vocab_size") or vocab_size, "seq_len": seq_len})
+    args = Qwen3Args(**read_options(model_config, OPTIONS, "Qwen3", vocab_size), seq_len=seq_len)
     if args.num_attention_heads % args.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads", f"{args.num_key_value_heads} does not divide "
                           f"num_attention_heads {args.num_attention_heads}", "choose a divisor of num_attention_heads")
     if args.head_dim % 2:
         raise ConfigError("model.head_dim", f"{args.head_dim} is odd and RoPE rotates its two halves",
                           "use an even head_dim")
-    if args.vocab_size < vocab_size:
-        raise ConfigError("model.vocab_size", f"{args.vocab_size} is smaller than the tokenizer's {vocab_size}",
-                          "set model.vocab_size=null to take the tokenizer's size")
     return args
 
 
