@@ -25,7 +25,7 @@ def test_order_is_stage_then_name_whatever_the_command_line_order(tmp_path, fake
     assert plans[0] == plans[1]
     names = [line.split()[1] for line in plans[0][1:]]
     assert names == ["early_a", "early_b", "late", "fsdp", "observer"]
-    assert plans[0][0] == "titan-core plan: world 2 = dp_shard 2"
+    assert plans[0][0] == "titan-core plan: world 2 = dp_shard 2; model llama3"
 
 
 def test_unknown_plugin_is_refused_before_hydra_composes(tmp_path):

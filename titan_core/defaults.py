@@ -35,7 +35,12 @@ def build_schedule(model_parts, config, loss_fn):
 def build_optimizer(model_parts, config):
     opt = config.optimizer
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                             **ADAMW_IMPLEMENTATIONS[opt.implementation])
+
+
+# torch's three AdamW kernels: one update per parameter, one batched over all of them, one fused kernel.
+ADAMW_IMPLEMENTATIONS = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 @hookimpl(trylast=True)

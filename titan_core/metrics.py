@@ -72,23 +72,29 @@ class MetricsLogger:
         self.first_step = first_step
         self.start = self.last = time.perf_counter()
         self.last_step = first_step
-        self.losses: list[float] = []
+        self.window: dict[int, float] = {}
 
     def step(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
         """Record ``step``; returns the logged values (empty on steps that are not logged).
 
-        The logged loss is the mean over the steps since the last log line, which shows the trend
-        where one step's loss would show the noise of its batch.
+        ``loss`` is this step's own loss, so a resumed or restarted run logs exactly what the
+        uninterrupted one did. ``loss_avg``, the mean over the steps since the last multiple of ``log_every``, shows
+        the trend where one batch shows noise; it is left out when this process did not see the whole
+        window (the first log line after a resume).
         """
-        self.losses.append(loss)
+        self.window[step] = loss
         if step % self.every and step != self.steps:
             return {}
-        loss, self.losses = sum(self.losses) / len(self.losses), []
+        window = range((step - 1) // self.every * self.every + 1, step + 1)  # since the last multiple of every
+        seen = all(s in self.window for s in window)
+        average = sum(self.window[s] for s in window) / len(window) if seen else None
+        self.window = {}
         now = time.perf_counter()
         step_time = (now - self.last) / (step - self.last_step)
         tokens_per_s = self.tokens_per_step / step_time
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
-        metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
+        metrics = {"step": step, "loss": loss, **({"loss_avg": average} if average is not None else {}),
+                   "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
                    "tflops_per_device": tflops,
                    "memory_gib": memory_gib(self.device)}
@@ -102,9 +108,10 @@ class MetricsLogger:
     def _write(self, m: dict, eta_s: float) -> None:
         mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
         # Per device first, as published tables quote it (TPS/GPU); the job's total beside it.
-        log.info("step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total) | "
+        average = f" (avg {m['loss_avg']:.4f})" if "loss_avg" in m else ""
+        log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total) | "
                  "%.3g TFLOPS/device%s | mem %.2f GiB | eta %s",
-                 m["step"], self.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
+                 m["step"], self.steps, m["loss"], average, m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
                  m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], _duration(eta_s))
         self.jsonl.write(json.dumps(m) + "\n")
         self.jsonl.flush()

@@ -19,6 +19,7 @@ from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
 
 from titan_core.data import check_documents, load_tokenizer
+from titan_core.defaults import ADAMW_IMPLEMENTATIONS
 from titan_core.errors import ConfigError
 from titan_core.plan import Plan, build_plan, check_plugin_names, plugin_manager
 from titan_core.searchpath import PluginConfigSearchPath
@@ -56,6 +57,9 @@ def check_job(config, plan: Plan) -> None:
                           f"{training.global_batch_size} sequences do not split over {plan.dp_size} data-parallel "
                           f"rank(s) x {training.grad_accum_steps} micro-batch(es)",
                           f"use a multiple of {split}")
+    if config.optimizer.implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ConfigError("optimizer.implementation", f"unknown AdamW implementation '{config.optimizer.implementation}'",
+                          f"use one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
     if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")

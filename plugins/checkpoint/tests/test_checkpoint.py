@@ -126,6 +126,19 @@ def test_stopped_run_resumes_bit_for_bit(tmp_path, faults, uninterrupted, plan, 
     assert_same_weights(resumed.final_weights(), whole.final_weights())
 
 
+def test_logged_loss_is_restart_invariant(tmp_path, faults, uninterrupted):
+    # Resumed after step 4, mid-way through the logging window of steps 4-6: step 6 must log what the
+    # uninterrupted run logged (a mean over the window since the restart would not).
+    env, fault = faults("kill", at_step=5)
+    options = ("plugins.checkpoint.interval=4", "metrics.log_every=3")
+    run_job(job(ONE, *options, *fault, faults=True), tmp_path, env=env, expect_success=False)
+    resumed = run_job(job(ONE, *options), tmp_path)
+    whole = uninterrupted(ONE, *options)
+    assert losses_by_step(resumed) == losses_by_step(whole) and len(losses_by_step(whole)) == 3
+    step6 = [m for m in resumed.metrics if m["step"] == 6]
+    assert len(step6) == 1 and "loss_avg" not in step6[0] and "loss_avg" in whole.metrics[1]
+
+
 def test_checkpoints_move_between_plans(tmp_path, uninterrupted):
     """fsdp4 -> fsdp2 -> one process -> tp2, fsdp4 -> hsdp 2x2, fsdp2 -> pp2 -> one process: each run continues
     the single-process run's losses from the checkpoint it loads and ends at its weights."""
@@ -229,3 +242,23 @@ def test_pickled_entries_are_never_loaded(tmp_path):
 def test_bad_options_are_refused_before_launch(tmp_path, override, message):
     result = run_job(job(ONE, "launch.dry_run=true", override), tmp_path, expect_success=False)
     assert message in error_line(result)
+
+
+def test_partial_loading_takes_only_the_parts_asked_for(tmp_path, uninterrupted):
+    """Weights and Adam moments from a fsdp2 checkpoint, a fresh schedule, data position and step count."""
+    whole = uninterrupted(FSDP2, "plugins.checkpoint.interval=4")
+    saved = whole.run_dir / "checkpoints" / "step-4"
+    partial = run_job(job(ONE, f"plugins.checkpoint.load_path={saved}", "plugins.checkpoint.load_parts=[model,optimizer]",
+                          "training.steps=2"), tmp_path / "partial")
+    fresh = run_job(job(ONE, "training.steps=2"), tmp_path / "fresh")
+    assert [m["step"] for m in partial.metrics] == [1, 2]
+    assert [m["lr"] for m in partial.metrics] == [m["lr"] for m in fresh.metrics]  # the schedule starts again
+    # The same first batch (data from the start), but trained weights: a lower loss than from init.
+    assert partial.losses[0] < fresh.losses[0] - 1e-2, (partial.losses, fresh.losses)
+    assert "continuing after step 0 (model, optimizer)" in (tmp_path / "partial" / "logs" / "rank0.log").read_text()
+
+
+def test_unknown_part_is_refused(tmp_path):
+    result = run_job([*BASE, "launch.dry_run=true", "+plugins=[checkpoint]", "plugins.checkpoint.load_parts=[model,rng]"],
+                     tmp_path, expect_success=False)
+    assert "plugins.checkpoint.load_parts: unknown part 'rng'" in error_line(result)

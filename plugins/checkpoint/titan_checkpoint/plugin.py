@@ -31,7 +31,7 @@ from titan_core.options import FLOAT_DTYPES, float_dtype
 from titan_core.plan import build_meta_model
 from titan_checkpoint.convert import export_hf_from_checkpoint
 from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config
-from titan_checkpoint.state import (check_loadable, check_model_matches, dcp_shapes, load_training_state,
+from titan_checkpoint.state import (PARTS, check_loadable, check_model_matches, dcp_shapes, load_training_state,
                                     model_tensors, training_tensors)
 
 log = logging.getLogger("titan_core")
@@ -51,6 +51,9 @@ def validate(config, plugin_config, plan):
             raise ConfigError(f"plugins.checkpoint.{field}", f"{value!r} is not an integer >= {least}",
                               f"set an integer >= {least} (0 turns it off)")
     float_dtype(plugin_config.export_dtype, "plugins.checkpoint.export_dtype")
+    unknown = sorted(set(plugin_config.load_parts) - set(PARTS))
+    if unknown:
+        raise ConfigError("plugins.checkpoint.load_parts", f"unknown part '{unknown[0]}'", f"use some of {', '.join(PARTS)}")
     if plugin_config.export_hf and plan.model.hf is None:
         raise ConfigError("plugins.checkpoint.export_hf", lacks(plan.model, "hf", "Hugging Face export"),
                           "set plugins.checkpoint.export_hf=false")
@@ -108,22 +111,21 @@ class Checkpointer:
                 log.info("removing %s, an incomplete save of an earlier attempt", partial)
                 shutil.rmtree(partial)
             own = complete_checkpoints(self.folder)
-            if own:
-                choice = [("dcp", own[-1][1], False)]
+            if own:  # a restart or rerun of this run continues it whole
+                choice = [("dcp", own[-1][1], tuple(PARTS))]
             elif self.options.load_path:
                 kind, path = checkpoint_to_load(Path(self.options.load_path).expanduser())
-                choice = [(kind, path, self.options.load_model_only)]
+                choice = [(kind, path, tuple(self.options.load_parts))]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None
-        kind, path, model_only = choice[0]
+        kind, path, parts = choice[0]
         if kind == "hf":
             self.load_hf(state.model_parts, path)
             step = 0
         else:
-            step = load_training_state(state, path, model_only)
-        log.info("loaded %s%s: continuing after step %d", path, " (weights only)" if model_only or not step else "",
-                 step)
+            step = load_training_state(state, path, parts)
+        log.info("loaded %s: continuing after step %d (%s)", path, step, ", ".join(parts) if kind == "dcp" else "weights")
         self.saved_step = step if path.parent == self.folder else None
         return step
 

@@ -148,26 +148,37 @@ def materialize_optimizer_state(optimizer) -> None:
         group["lr"] = lr
 
 
-def load_training_state(state, path, model_only: bool) -> int:
-    """Load the checkpoint at ``path`` into ``state`` in place; returns the step it holds (0 if model only)."""
+# What a checkpoint's parts hold, by key prefix; ``load_parts`` picks among them.
+PARTS = {"model": ("model.",), "optimizer": ("optimizer.",), "lr_scheduler": ("lr_scheduler.",),
+         "dataloader": ("dataloader.",), "step": ("step", "rng.")}
+
+
+def load_training_state(state, path, parts=tuple(PARTS)) -> int:
+    """Load ``parts`` of the checkpoint at ``path`` into ``state`` in place (those it holds: a weights-only
+    save holds the model alone); returns the step to continue after (0 unless ``step`` was loaded)."""
     saved, shapes = dcp_shapes(path)
-    wanted = model_tensors(state.model_parts)
-    check_loadable(wanted, shapes, path)
-    model_only = model_only or "step" not in saved
-    if not model_only:
-        if any(k.startswith("optimizer.") for k in saved):  # none when saved before the first step
-            materialize_optimizer_state(state.optimizer)
-            wanted.update(optimizer_tensors(state.optimizer, state.model_parts))
-        for prefix in ("lr_scheduler.", "dataloader.", "rng.", "step"):
+    parts = {p for p in parts if any(k.startswith(PARTS[p]) for k in saved)}
+    wanted = {}
+    if "model" in parts:
+        wanted = model_tensors(state.model_parts)
+        check_loadable(wanted, shapes, path)
+    if "optimizer" in parts:
+        materialize_optimizer_state(state.optimizer)
+        wanted.update(optimizer_tensors(state.optimizer, state.model_parts))
+    for part in parts - {"model", "optimizer"}:
+        for prefix in PARTS[part]:
             wanted.update(allocate(saved, prefix))
     dcp.load(wanted, checkpoint_id=str(path))
-    copy_into_model(state.model_parts, wanted)
-    if model_only:
-        return 0
-    state.lr_scheduler.load_state_dict(restore_numbers("lr_scheduler", state.lr_scheduler.state_dict(), wanted))
+    if "model" in parts:
+        copy_into_model(state.model_parts, wanted)
+    if "lr_scheduler" in parts:
+        state.lr_scheduler.load_state_dict(restore_numbers("lr_scheduler", state.lr_scheduler.state_dict(), wanted))
     for group, lr in zip(state.optimizer.param_groups, state.lr_scheduler.get_last_lr()):
-        group["lr"] = lr
-    state.dataloader.load_state_dict(restore_numbers("dataloader", state.dataloader.state_dict(), wanted))
+        group["lr"] = lr  # the schedule's, whether restored or fresh (materializing the state zeroed nothing)
+    if "dataloader" in parts:
+        state.dataloader.load_state_dict(restore_numbers("dataloader", state.dataloader.state_dict(), wanted))
+    if "step" not in parts:
+        return 0
     torch.set_rng_state(wanted["rng.cpu"])
     if torch.cuda.is_available() and "rng.cuda" in wanted:
         torch.cuda.set_rng_state(wanted["rng.cuda"])

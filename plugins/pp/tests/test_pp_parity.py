@@ -28,7 +28,8 @@ def check(report):
     assert report.max_param_diff <= FP32_WEIGHT_TOLERANCE, report
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+# GPipe and Interleaved1F1B at pp 2 are cases of every model's conformance run.
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s not in ("GPipe", "Interleaved1F1B")])
 def test_schedule_parity_pp2(titan_parity, schedule):
     check(titan_parity(["+plugins=[pp]", "plugins.pp.degree=2", f"plugins.pp.schedule={schedule}"]))
 

@@ -1,0 +1,138 @@
+"""Every pair of plugin option values, for each model family: train each stack or see it refused.
+
+    python bench/stack_matrix.py                 # the whole covering array (about an hour on 2 cores)
+    python bench/stack_matrix.py --limit 6       # its first stacks
+
+A covering array (allpairspy) over the first-party plugins' behaviour-changing options and the installed
+model families puts every pair of values in some stack, with at most 8 ranks per stack. Each stack is
+first planned (``launch.dry_run``): a one-line refusal before launch is a verdict of its own. Otherwise it
+trains the tiny job and is compared with the same model in one process: losses within 1e-5 (float8 2e-3)
+or it fails, and a crash after launch fails. One line per stack: stack, world size, verdict, max loss
+diff, seconds; then the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from allpairspy import AllPairs
+
+from titan_core.testing import TINY, compare, run_job
+
+# Each factor: its values as (label, ranks it adds, overrides). "-" leaves the plugin out.
+FACTORS = {
+    "model": [("llama3", 1, ("model=tiny",)), ("qwen3", 1, ("model=qwen3_tiny",))],
+    "dp": [("-", 1, ()), ("fsdp", 2, ("fsdp", "plugins.fsdp.degree=2")),
+           ("fsdp-reshard-always", 2, ("fsdp", "plugins.fsdp.degree=2", "plugins.fsdp.reshard_after_forward=always")),
+           ("hsdp", 4, ("fsdp", "plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2")),
+           ("simplefsdp", 2, ("simplefsdp", "plugins.simplefsdp.degree=2"))],
+    "tp": [("-", 1, ()), ("tp-sp-lp", 2, ("tp", "plugins.tp.degree=2")),
+           ("tp-no-sp", 2, ("tp", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false")),
+           ("tp-no-lp", 2, ("tp", "plugins.tp.degree=2", "plugins.tp.loss_parallel=false"))],
+    "cp": [("-", 1, ()), ("cp-allgather", 2, ("cp", "plugins.cp.degree=2", "plugins.cp.rotate_method=allgather")),
+           ("cp-alltoall", 2, ("cp", "plugins.cp.degree=2", "plugins.cp.rotate_method=alltoall"))],
+    "pp": [("-", 1, ())] + [(f"pp-{s}", 2, ("pp", "plugins.pp.degree=2", f"plugins.pp.schedule={s}"))
+                            for s in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                      "ZBVZeroBubble", "DualPipeV")],
+    "ac": [("-", 1, ()), ("ac-full", 1, ("ac", "plugins.ac.mode=full")),
+           ("ac-selective-op", 1, ("ac", "plugins.ac.mode=selective_op")),
+           ("ac-selective-layer", 1, ("ac", "plugins.ac.mode=selective_layer"))],
+    "compile": [("-", 1, ()), ("compile", 1, ("compile",))],
+    "float8": [("-", 1, ()), ("float8-tensorwise", 1, ("float8", "plugins.float8.recipe=tensorwise")),
+               ("float8-rowwise", 1, ("float8", "plugins.float8.recipe=rowwise"))],
+}
+MAX_RANKS = 8
+LOSS_TOL, FLOAT8_LOSS_TOL = 1e-5, 1e-2
+
+
+def world(row) -> int:
+    return math.prod(ranks for _, ranks, _ in row)
+
+
+def stacks(limit: int | None = None) -> list[tuple]:
+    """The covering array's rows, each a tuple of one value per factor.
+
+    allpairspy builds it; under the rank budget its greedy pass leaves many feasible pairs out (129 of
+    them here), so further rows are added greedily until every pair that fits in ``MAX_RANKS`` is in one.
+    """
+    factors = list(FACTORS.values())
+    rows = [tuple(row) for row in AllPairs(factors, filter_func=lambda row: world(row) <= MAX_RANKS)]
+    missing = uncovered_pairs(rows)
+    while missing:
+        row = [None] * len(factors)
+        (i, a), (j, b) = next(iter(missing))
+        row[i], row[j] = a, b
+        for k, values in enumerate(factors):
+            if row[k] is None:
+                fitting = [v for v in values if world([x for x in row if x is not None] + [v]) <= MAX_RANKS]
+                row[k] = max(fitting, key=lambda v: sum(((k, v), (m, x)) in missing or ((m, x), (k, v)) in missing
+                                                        for m, x in enumerate(row) if x is not None))
+        rows.append(tuple(row))
+        missing = uncovered_pairs(rows)
+    return rows[:limit]
+
+
+def uncovered_pairs(rows) -> set:
+    """Pairs ((factor, value), (factor, value)) that fit in the rank budget and no row holds."""
+    factors = list(FACTORS.values())
+    covered = {((i, row[i]), (j, row[j])) for row in rows for i, j in itertools.combinations(range(len(row)), 2)}
+    return {((i, a), (j, b)) for i, j in itertools.combinations(range(len(factors)), 2)
+            for a in factors[i] for b in factors[j] if a[1] * b[1] <= MAX_RANKS and ((i, a), (j, b)) not in covered}
+
+
+def overrides(row) -> list[str]:
+    plugins = [o[0] for _, _, o in row if o and "=" not in o[0]]
+    options = [x for _, _, o in row for x in o if "=" in x]
+    return [*(["+plugins=[" + ",".join(plugins) + "]"] if plugins else []), *options]
+
+
+def run_stack(row, workdir: Path, reference) -> tuple[str, float | None]:
+    """(verdict, max loss diff) of one stack: passed, failed or refused with its line.
+
+    ``reference(model_overrides)`` gives the single-process run of a model (the parity harness's
+    ``titan_reference`` fixture, or a cache here)."""
+    args = [*TINY, *overrides(row)]
+    planned = run_job([*args, "launch.dry_run=true"], workdir / "plan", expect_success=False)
+    if planned.returncode == 2:
+        refusal = [line for line in planned.stderr.splitlines() if line.startswith("titan-core: error: ")]
+        return ("refused: " + refusal[-1][len("titan-core: error: "):] if refusal else "failed: no one-line refusal",
+                None)
+    result = run_job(args, workdir / "run", expect_success=False)
+    if result.returncode != 0:
+        return f"failed: exit {result.returncode} after launch", None
+    report = compare(result, reference(row[0][2]))
+    tolerance = FLOAT8_LOSS_TOL if any(label.startswith("float8") for label, _, _ in row) else LOSS_TOL
+    return ("passed" if report.max_loss_diff <= tolerance else "failed: losses differ"), report.max_loss_diff
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, help="run only the first N stacks")
+    args = parser.parse_args()
+    rows, references, counts = stacks(args.limit), {}, {"passed": 0, "refused": 0, "failed": 0}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        def reference(model: tuple) -> object:
+            if model not in references:
+                references[model] = run_job([*TINY, *model], Path(tmp) / f"reference-{len(references)}")
+            return references[model]
+        for i, row in enumerate(rows):
+            began = time.perf_counter()
+            verdict, diff = run_stack(row, Path(tmp) / str(i), reference)
+            counts[verdict.split(":")[0]] += 1
+            label = " ".join(label for label, _, _ in row if label != "-")
+            print(f"{label:<70} world {world(row):>2}  {verdict:<40.200}  "
+                  f"{'-' if diff is None else f'{diff:.1e}':>8}  {time.perf_counter() - began:6.1f} s", flush=True)
+    print(f"{len(rows)} stacks: {counts['passed']} passed, {counts['refused']} refused, {counts['failed']} failed "
+          f"in {time.perf_counter() - start:.0f} s")
+    sys.exit(1 if counts["failed"] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""Stacks of three or more plugins a user would type, each against one process."""
+
+import pytest
+
+LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # the parity harness's bounds (see titan_core.testing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ["+plugins=[tp,compile,ac]", "plugins.tp.degree=2", "plugins.ac.mode=selective_op"],
+    ["+plugins=[fsdp,tp,compile,ac]", "plugins.fsdp.degree=2", "plugins.tp.degree=2", "plugins.ac.mode=selective_op"],
+    ["+plugins=[pp,fsdp,tp,compile,ac]", "plugins.pp.degree=2", "plugins.pp.schedule=1F1B", "plugins.fsdp.degree=2",
+     "plugins.tp.degree=2", "plugins.ac.mode=selective_op"],
+], ids=["tp2-compile-sac", "fsdp2-tp2-compile-sac", "pp2-fsdp2-tp2-compile-sac"])
+def test_tp_compile_selective_ac(titan_parity, overrides):
+    # Crashed in backward before: SAC saved inductor's reused mm.out buffers inside the compiled regions.
+    report = titan_parity(overrides)
+    assert report.max_loss_diff <= LOSS_TOL, report
+    assert report.max_param_diff <= PARAM_TOL, report
