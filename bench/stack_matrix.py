@@ -66,11 +66,12 @@ def stacks(limit: int | None = None) -> list[tuple]:
     missing = uncovered_pairs(rows)
     while missing:
         row = [None] * len(factors)
-        (i, a), (j, b) = next(iter(missing))
+        (i, a), (j, b) = min(missing)  # sets iterate in a per-process hash order: sort for one array
         row[i], row[j] = a, b
         for k, values in enumerate(factors):
             if row[k] is None:
                 fitting = [v for v in values if world([x for x in row if x is not None] + [v]) <= MAX_RANKS]
+                # max keeps the first of equals, in the factor's order: one array every time
                 row[k] = max(fitting, key=lambda v: sum(((k, v), (m, x)) in missing or ((m, x), (k, v)) in missing
                                                         for m, x in enumerate(row) if x is not None))
         rows.append(tuple(row))

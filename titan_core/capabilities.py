@@ -6,6 +6,8 @@ the first-party plugin that does, and two enabled providers of one name are refu
 """
 
 PIPELINE = "pipeline"  # splits the model into stages and builds the schedule that runs them
+# Runs backward as separate input-gradient and weight-gradient passes (zero-bubble pipeline schedules).
+SPLIT_BACKWARD = "split_backward"
 TENSOR_PARALLEL = "tensor_parallel"
 CONTEXT_PARALLEL = "context_parallel"
 # Shards parameters over the data-parallel ranks (dp_shard, flattened with cp when present) and averages

@@ -8,7 +8,7 @@ like those of different samples), and ``dp_replicate`` adds an outer replica dim
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import DATA_PARALLEL_SHARDING
+from titan_core.capabilities import DATA_PARALLEL_SHARDING, SPLIT_BACKWARD
 from titan_core.description import lacks
 from titan_core.options import FLOAT_DTYPES, float_dtype
 
@@ -34,6 +34,12 @@ def validate(plugin_config, plan):
     if plugin_config.reshard_after_forward not in RESHARD:
         raise ConfigError("plugins.fsdp.reshard_after_forward", f"unknown policy '{plugin_config.reshard_after_forward}'",
                           f"use one of {', '.join(RESHARD)}")
+    if plugin_config.reshard_after_forward == "always" and plan.provides(SPLIT_BACKWARD):
+        # Found by the stack matrix: resharding between the input- and weight-gradient passes gave wrong
+        # gradients (losses off by 1e-1 with ZBVZeroBubble and InterleavedZeroBubble, 4e-3 with DualPipeV).
+        raise ConfigError("plugins.fsdp.reshard_after_forward", "'always' reshards parameters between the input- "
+                          "and weight-gradient passes of a pipeline schedule that splits backward, which trains wrong",
+                          "use reshard_after_forward=default, or a schedule that does not split backward")
     if plugin_config.prefetch < 0:
         raise ConfigError("plugins.fsdp.prefetch", f"{plugin_config.prefetch} is negative", "use 0 or more blocks")
 

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import COMPILE, PIPELINE
+from titan_core.capabilities import COMPILE, PIPELINE, SPLIT_BACKWARD
 from titan_core.description import ModelDescription, drop, lacks
 from titan_pp.layout import Layout, schedule_kind, stage_layout
 
@@ -27,7 +27,8 @@ STAGE = 100  # first: the later transforms then see one stage per model part
 
 @hookimpl
 def declare(plugin_config):
-    return Declaration(stage=STAGE, mesh={"pp": plugin_config.degree}, provides=frozenset({PIPELINE}))
+    split = {SPLIT_BACKWARD} if schedule_kind(plugin_config).zero_bubble else set()
+    return Declaration(stage=STAGE, mesh={"pp": plugin_config.degree}, provides=frozenset({PIPELINE, *split}))
 
 
 @hookimpl
