@@ -29,12 +29,15 @@ def test_debug_model_learns_on_the_builtin_corpus(tmp_path):
     assert "titan-core plan: world 1 = single process" in result.stdout
     assert "| MFU " in result.stdout and "| eta " in result.stdout
     first = result.metrics[0]
-    assert {"loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "memory_gib"} <= first.keys()
+    assert {"loss", "loss_avg", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+            "mfu", "memory_gib"} <= first.keys()
+    assert "tok/s/device (" in result.stdout
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
+    assert [e.value for e in events.Scalars("loss_avg")] == pytest.approx(losses)
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([m["loss"] for m in result.metrics])
     assert OmegaConf.load(tmp_path / "config.yaml").training.steps == 60
     assert (tmp_path / ".hydra" / "overrides.yaml").exists()
     assert "step 60/60" in (tmp_path / "logs" / "rank0.log").read_text()
