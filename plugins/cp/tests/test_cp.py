@@ -62,3 +62,10 @@ def test_launcher_refuses_before_any_worker_starts(tmp_path, overrides, message)
     result = run_job([*TINY, "+plugins=[cp]", "plugins.cp.degree=4", *overrides], tmp_path, expect_success=False)
     assert message in error_line(result)
     assert not (tmp_path / "logs").exists()
+
+
+def test_split_backward_without_a_sharding_plugin_is_refused(tmp_path):
+    # Trained wrong without an error (loss off by 2e-3 at step 2): found by bench/stack_matrix.py.
+    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[cp,pp]", "plugins.cp.degree=2", "plugins.pp.degree=2",
+                      "plugins.pp.schedule=ZBVZeroBubble"], tmp_path, expect_success=False)
+    assert "plugins.cp: without a data-parallel sharding plugin, cp averages gradients in hooks" in error_line(result)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING
+from titan_core.capabilities import CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING, SPLIT_BACKWARD
 from titan_core.description import SDPA_CAUSAL, attribute, lacks
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
@@ -46,6 +46,12 @@ def validate(config, plugin_config, plan):
         # Without them every shard's positions would restart at 0: a silently wrong model.
         raise ConfigError("plugins.cp", lacks(plan.model, "position_buffers", "context parallel"),
                           "remove cp from +plugins=[...], or describe the model's position buffers")
+    if plan.provides(SPLIT_BACKWARD) and not plan.provides(DATA_PARALLEL_SHARDING):
+        # Found by the stack matrix: the weight-gradient pass of a split backward assigns gradients without
+        # firing the accumulation hooks that average them over cp here, and training went silently wrong.
+        raise ConfigError("plugins.cp", "without a data-parallel sharding plugin, cp averages gradients in hooks "
+                          "that a pipeline schedule splitting backward bypasses", "add fsdp or simplefsdp to "
+                          "+plugins=[...], or use a schedule that does not split backward")
     if plugin_config.rotate_method not in ROTATE_METHODS:
         raise ConfigError("plugins.cp.rotate_method", f"unknown rotate method '{plugin_config.rotate_method}'",
                           f"use one of {', '.join(ROTATE_METHODS)}")
