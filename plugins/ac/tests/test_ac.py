@@ -10,7 +10,7 @@ from titan_core.description import canonical_name
 from titan_core.init import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
-from titan_core.testing import TINY, run_job
+from titan_core.testing import TINY, error_line, run_job
 
 # The TINY model of the parity harness, with its global batch in one process.
 ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=264, multiple_of=32, max_seq_len=32)
@@ -74,6 +74,13 @@ def test_selective_op_with_fsdp(titan_parity):
     # another order); checkpointing adds nothing to that.
     assert report.max_loss_diff <= 1e-5
     assert report.max_param_diff <= 1e-4
+
+
+def test_selective_op_under_a_split_backward_is_refused(tmp_path):
+    # Crashed after launch ("Trying to backward an extra time"): found by bench/stack_matrix.py.
+    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[pp,ac]", "plugins.pp.degree=2",
+                      "plugins.pp.schedule=ZBVZeroBubble", "plugins.ac.mode=selective_op"], tmp_path, expect_success=False)
+    assert "plugins.ac.mode: selective_op cannot run under a pipeline schedule that splits backward" in error_line(result)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan_core import ConfigError, Declaration, hookimpl
+from titan_core.capabilities import SPLIT_BACKWARD
 from titan_core.description import lacks
 
 STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their collectives too; before compile
@@ -37,6 +38,12 @@ def validate(plugin_config, plan):
     if plugin_config.mode == "selective_layer" and not (isinstance(plugin_config.every, int) and plugin_config.every >= 1):
         raise ConfigError("plugins.ac.every", f"{plugin_config.every!r} is not a positive integer",
                           "checkpoint every k-th block with k >= 1 (1: every block)")
+    if plugin_config.mode == "selective_op" and plan.provides(SPLIT_BACKWARD):
+        # Found by the stack matrix: torch refuses a second backward through a selectively checkpointed
+        # region ("Trying to backward an extra time"), and split backward runs two.
+        raise ConfigError("plugins.ac.mode", "selective_op cannot run under a pipeline schedule that splits backward "
+                          "into input- and weight-gradient passes (torch allows one backward per region)",
+                          "use mode=full or selective_layer, or a schedule that does not split backward")
     if plugin_config.mode == "selective_op":
         unknown = [op for op in plugin_config.save_ops if not hasattr(torch.ops.aten, op)]
         if unknown:
