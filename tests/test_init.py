@@ -1,9 +1,12 @@
 """Initial weights are drawn box by box: any split of a parameter gives the slices of the whole."""
 
+import pytest
 import torch
+from torch import nn
 
 from titan_core import init
-from titan_core.description import ParamInit
+from titan_core.description import ModelDescription, ParamInit
+from titan_core.errors import ConfigError
 
 
 def test_any_box_is_the_slice_of_the_whole(monkeypatch):
@@ -25,3 +28,12 @@ def test_constants_fill_the_box():
     box = torch.empty(3, 2)
     init.fill_box(box, (5, 0), (8, 2), "norm.weight", ParamInit.constant(1.0), seed=0)
     assert torch.equal(box, torch.ones(3, 2))
+
+
+def test_a_buffer_nobody_fills_is_refused():
+    part = nn.Linear(2, 2)
+    part.register_buffer("table", torch.empty(3), persistent=False)  # what to_empty leaves: garbage
+    description = ModelDescription(family="m", args=None, n_layers=0, param_init=lambda name: ParamInit.normal(0.02),
+                                   flops_per_token=lambda seq: 0.0)
+    with pytest.raises(ConfigError, match="model 'm' has buffer table but describes no init_buffers"):
+        init.init_weights(part, description, seed=0)

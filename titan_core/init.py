@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_core.description import ModelDescription, canonical_name
+from titan_core.errors import ConfigError
 
 CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 drawn at a time
 
@@ -77,6 +78,11 @@ def init_weights(part: nn.Module, description: ModelDescription, seed: int) -> N
     for name, param in part.named_parameters():
         name = canonical_name(name)
         init_parameter(param, name, description.param_init(name), seed)
+    buffers = [name for name, _ in part.named_buffers()]
+    if buffers and description.init_buffers is None:
+        # to_empty left them uninitialized memory: training on them would be silently wrong.
+        raise ConfigError("model.name", f"model '{description.family}' has buffer {buffers[0]} but describes no "
+                          "init_buffers to fill it", "give its ModelDescription an init_buffers function")
     if description.init_buffers is not None:
         with torch.no_grad():
             description.init_buffers(part)
