@@ -6,8 +6,10 @@ import math
 
 import torch
 
+from titan_core.adamw import AdamWNarrowStates
 from titan_core.data import PackedLoader, document_opener
 from titan_core.hookspecs import hookimpl
+from titan_core.options import FLOAT_DTYPES
 
 
 class ForwardBackward:
@@ -35,8 +37,10 @@ def build_schedule(model_parts, config, loss_fn):
 def build_optimizer(model_parts, config):
     opt = config.optimizer
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-                             **ADAMW_IMPLEMENTATIONS[opt.implementation])
+    hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.state_dtype != "float32":
+        return AdamWNarrowStates(params, state_dtype=FLOAT_DTYPES[opt.state_dtype], **hyper)
+    return torch.optim.AdamW(params, **hyper, **ADAMW_IMPLEMENTATIONS[opt.implementation or "foreach"])
 
 
 # torch's three AdamW kernels: one update per parameter, one batched over all of them, one fused kernel.

@@ -57,13 +57,24 @@ def check_job(config, plan: Plan) -> None:
                           f"{training.global_batch_size} sequences do not split over {plan.dp_size} data-parallel "
                           f"rank(s) x {training.grad_accum_steps} micro-batch(es)",
                           f"use a multiple of {split}")
-    if config.optimizer.implementation not in ADAMW_IMPLEMENTATIONS:
-        raise ConfigError("optimizer.implementation", f"unknown AdamW implementation '{config.optimizer.implementation}'",
-                          f"use one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    check_optimizer(config.optimizer)
     if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")
     check_documents(config.data)
+
+
+def check_optimizer(optimizer) -> None:
+    if optimizer.implementation is not None and optimizer.implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ConfigError("optimizer.implementation", f"unknown AdamW implementation '{optimizer.implementation}'",
+                          f"use one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    if optimizer.state_dtype not in ("float32", "bfloat16"):
+        raise ConfigError("optimizer.state_dtype", f"unsupported state dtype '{optimizer.state_dtype}'",
+                          "use float32 or bfloat16")
+    if optimizer.state_dtype != "float32" and optimizer.implementation not in (None, "for_loop"):
+        raise ConfigError("optimizer.implementation", f"'{optimizer.implementation}' keeps float32 states, but "
+                          f"optimizer.state_dtype={optimizer.state_dtype} updates one parameter at a time",
+                          "set optimizer.implementation=null (or for_loop)")
 
 
 def prepare(config) -> Plan:
