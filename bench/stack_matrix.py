@@ -14,6 +14,7 @@ diff, seconds; then the counts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import sys
@@ -25,9 +26,12 @@ from allpairspy import AllPairs
 
 from titan_core.testing import TINY, compare, run_job
 
+RESUME_STEP = 3
 # Each factor: its values as (label, ranks it adds, overrides). "-" leaves the plugin out.
 FACTORS = {
     "model": [("llama3", 1, ("model=tiny",)), ("qwen3", 1, ("model=qwen3_tiny",))],
+    # Changes the model's function, so the single-process reference takes it too (see reference_overrides).
+    "mask": [("-", 1, ()), ("block-causal", 1, ("training.attention_mask=block_causal",))],
     "dp": [("-", 1, ()), ("fsdp", 2, ("fsdp", "plugins.fsdp.degree=2")),
            ("fsdp-reshard-always", 2, ("fsdp", "plugins.fsdp.degree=2", "plugins.fsdp.reshard_after_forward=always")),
            ("hsdp", 4, ("fsdp", "plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2")),
@@ -44,6 +48,9 @@ FACTORS = {
            ("ac-selective-op", 1, ("ac", "plugins.ac.mode=selective_op")),
            ("ac-selective-layer", 1, ("ac", "plugins.ac.mode=selective_layer"))],
     "compile": [("-", 1, ()), ("compile", 1, ("compile",))],
+    "loss": [("-", 1, ()), ("chunked-loss", 1, ("chunked_loss", "plugins.chunked_loss.chunk_tokens=40"))],
+    # Saves after step 3, then the same stack resumes there: its last steps must continue the reference.
+    "checkpoint": [("-", 1, ()), ("save-resume", 1, ("checkpoint", f"plugins.checkpoint.interval={RESUME_STEP}"))],
     "float8": [("-", 1, ()), ("float8-tensorwise", 1, ("float8", "plugins.float8.recipe=tensorwise")),
                ("float8-rowwise", 1, ("float8", "plugins.float8.recipe=rowwise"))],
 }
@@ -93,10 +100,15 @@ def overrides(row) -> list[str]:
     return [*(["+plugins=[" + ",".join(plugins) + "]"] if plugins else []), *options]
 
 
+def reference_overrides(row) -> tuple[str, ...]:
+    """What the single-process run shares with the stack: the model and its attention mask."""
+    return (*row[0][2], *row[1][2])
+
+
 def run_stack(row, workdir: Path, reference) -> tuple[str, float | None]:
     """(verdict, max loss diff) of one stack: passed, failed or refused with its line.
 
-    ``reference(model_overrides)`` gives the single-process run of a model (the parity harness's
+    ``reference(overrides)`` gives the single-process run of :func:`reference_overrides` (the parity harness's
     ``titan_reference`` fixture, or a cache here)."""
     args = [*TINY, *overrides(row)]
     planned = run_job([*args, "launch.dry_run=true"], workdir / "plan", expect_success=False)
@@ -105,9 +117,14 @@ def run_stack(row, workdir: Path, reference) -> tuple[str, float | None]:
         return ("refused: " + refusal[-1][len("titan-core: error: "):] if refusal else "failed: no one-line refusal",
                 None)
     result = run_job(args, workdir / "run", expect_success=False)
+    expected = reference(reference_overrides(row))
+    if result.returncode == 0 and any(label == "save-resume" for label, _, _ in row):
+        saved = workdir / "run" / "checkpoints" / f"step-{RESUME_STEP}"
+        result = run_job([*args, f"plugins.checkpoint.load_path={saved}"], workdir / "resumed", expect_success=False)
+        expected = dataclasses.replace(expected, after_step=RESUME_STEP)
     if result.returncode != 0:
         return f"failed: exit {result.returncode} after launch", None
-    report = compare(result, reference(row[0][2]))
+    report = compare(result, expected)
     tolerance = FLOAT8_LOSS_TOL if any(label.startswith("float8") for label, _, _ in row) else LOSS_TOL
     return ("passed" if report.max_loss_diff <= tolerance else "failed: losses differ"), report.max_loss_diff
 
@@ -119,10 +136,10 @@ def main() -> None:
     rows, references, counts = stacks(args.limit), {}, {"passed": 0, "refused": 0, "failed": 0}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        def reference(model: tuple) -> object:
-            if model not in references:
-                references[model] = run_job([*TINY, *model], Path(tmp) / f"reference-{len(references)}")
-            return references[model]
+        def reference(shared: tuple) -> object:
+            if shared not in references:
+                references[shared] = run_job([*TINY, *shared], Path(tmp) / f"reference-{len(references)}")
+            return references[shared]
         for i, row in enumerate(rows):
             began = time.perf_counter()
             verdict, diff = run_stack(row, Path(tmp) / str(i), reference)

@@ -19,7 +19,8 @@ def test_every_feasible_pair_is_in_some_stack():
     assert not matrix.uncovered_pairs(ROWS)
     assert all(matrix.world(row) <= matrix.MAX_RANKS for row in ROWS)
     labels = {label for row in ROWS for label, _, _ in row}
-    assert {"pp-DualPipeV", "hsdp", "simplefsdp", "cp-alltoall", "float8-rowwise", "qwen3"} <= labels
+    assert {"pp-DualPipeV", "hsdp", "simplefsdp", "cp-alltoall", "float8-rowwise", "qwen3", "chunked-loss", "block-causal",
+            "save-resume"} <= labels
 
 
 @pytest.mark.slow

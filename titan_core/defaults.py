@@ -20,8 +20,8 @@ class ForwardBackward:
         self.loss_fn = loss_fn
         self.grad_accum_steps = grad_accum_steps
 
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(self.model(inputs), labels)
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+        loss = self.loss_fn(self.model(inputs, **model_kwargs), labels)
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
 

@@ -28,6 +28,10 @@ from titan_core.errors import ConfigError
 # The attention seam context parallel understands: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
 # on (batch, heads, seq, head_dim) tensors, with no mask and nothing else mixing positions.
 SDPA_CAUSAL = "sdpa_causal"
+# The seam that also masks documents: every block attends through ``titan_core.attention.causal_attention(q,
+# k, v, document_ids)``, and the model's forward takes ``document_ids=None`` and hands it to every block.
+# Without document ids it is causal SDPA, so whatever understands SDPA_CAUSAL understands it too.
+CORE_ATTENTION = "titan_core.attention"
 
 
 @dataclass(frozen=True)
@@ -111,12 +115,16 @@ class ModelDescription:
       output). A pipeline stage sets those it does not run to None, and the model's ``forward`` must then
       skip them and take or return the residual stream instead.
       ``tensor_parallel``: a :class:`TensorParallelLayout`.
-      ``attention``: the attention seam, :data:`SDPA_CAUSAL` when the blocks attend through causal SDPA.
+      ``attention``: the attention seam, :data:`SDPA_CAUSAL` when the blocks attend through causal SDPA,
+      :data:`CORE_ATTENTION` when they attend through the core's (which can also mask documents).
       ``position_buffers``: root buffers indexed by position along their first dimension (RoPE tables,
       position ids), which context parallel splits exactly like the tokens so that each shard sees its
       global positions; () for a model without positions.
       ``init_buffers(part)``: fills a model part's non-persistent buffers after ``to_empty``.
       ``float8_skip``: canonical-name fragments of linears float8 must leave in high precision.
+      ``logits``: the root ``nn.Linear`` (no bias, one of ``outputs``) that maps the final hidden state to
+      the vocabulary: a loss that computes the logits itself (chunked cross entropy) replaces it in the
+      model with a pass-through holding its weight.
       ``hf``: an :class:`HFAdapter`.
     """
 
@@ -133,6 +141,7 @@ class ModelDescription:
     position_buffers: tuple[str, ...] | None = None
     init_buffers: Callable[[nn.Module], None] | None = None
     float8_skip: tuple[str, ...] = ()
+    logits: str | None = None
     hf: HFAdapter | None = None
 
     def blocks_of(self, part: nn.Module) -> nn.ModuleDict:
@@ -154,8 +163,13 @@ def attribute(root: nn.Module, path: str):
 
 def drop(root: nn.Module, path: str) -> None:
     """Set the module at dotted ``path`` to None (a pipeline stage that does not run it)."""
+    replace(root, path, None)
+
+
+def replace(root: nn.Module, path: str, module: nn.Module | None) -> None:
+    """Put ``module`` at dotted ``path``: its parameters keep the names of the one it replaces."""
     parent, _, name = path.rpartition(".")
-    setattr(attribute(root, parent) if parent else root, name, None)
+    setattr(attribute(root, parent) if parent else root, name, module)
 
 
 def read_options(model_config, known, family: str, tokenizer_vocab_size: int) -> dict:

@@ -118,11 +118,13 @@ def after_init(model_parts, mesh, config, plugin_config, plan):
 
 
 @hookspec
-def wrap_loss(loss_fn, config, plugin_config, plan):
-    """Return a replacement for the loss function ``loss_fn(logits, labels) -> scalar``, or None.
+def wrap_loss(loss_fn, model_parts, config, plugin_config, plan):
+    """Return a replacement for the loss function ``loss_fn(output, labels) -> scalar``, or None.
 
-    Called once per worker before ``build_schedule``, for each enabled plugin in plan order, each
-    receiving the previous one's result (the core's is fp32 cross entropy), e.g. to compile it.
+    Called once per worker after ``after_init`` and before ``build_schedule``, for each enabled plugin in
+    plan order, each receiving the previous one's result (the core's is fp32 cross entropy of the
+    model's output, the logits), e.g. to compile it. ``model_parts`` are this rank's parallelized parts,
+    for a loss that uses the model's parameters (chunked cross entropy applies the logits layer itself).
     """
 
 
@@ -130,10 +132,14 @@ def wrap_loss(loss_fn, config, plugin_config, plan):
 def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
     """Build what runs forward and backward of one micro-batch, after weights are initialized.
 
-    Returns an object with ``run(inputs, labels) -> loss | None``: it must call backward on
-    ``loss / config.training.grad_accum_steps`` and return the detached, unscaled mean loss, or None
-    on ranks that compute no loss (pipeline stages other than the last). The core's default is a
-    plain forward and backward on the single model part.
+    Returns an object with ``run(inputs, labels, model_kwargs) -> loss | None``: it must run the model
+    parts as ``part(inputs, **model_kwargs)`` (a pipeline stage after the first takes the previous stage's
+    output in place of ``inputs``, and the same keyword arguments, split into micro-batches like the
+    inputs), call backward on ``loss / config.training.grad_accum_steps`` and return the detached,
+    unscaled mean loss, or None on ranks that compute no loss (pipeline stages other than the last).
+    ``model_kwargs`` holds per-token (batch, seq) tensors: ``document_ids`` under
+    ``training.attention_mask=block_causal``, nothing otherwise. The core's default is a plain forward and
+    backward on the single model part.
     """
 
 
@@ -167,11 +173,12 @@ def build_dataloader(config, tokenizer, dp_rank, dp_size, plugin_config):
 
 
 @hookspec
-def batch_context(inputs, labels, model_parts, mesh, config, plugin_config, plan):
+def batch_context(inputs, labels, model_kwargs, model_parts, mesh, config, plugin_config, plan):
     """Return a context manager to enter around forward and backward of one micro-batch, or None.
 
     Called per micro-batch in every plugin that implements it. A context may reshard the batch
-    tensors in place (context parallel) or change how ops dispatch (loss parallel).
+    tensors in place (context parallel: the inputs, the labels and the per-token ``model_kwargs``
+    alike) or change how ops dispatch (loss parallel, document attention).
     """
 
 

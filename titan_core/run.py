@@ -18,8 +18,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
 
+from titan_core.attention import MASKS
 from titan_core.data import check_documents, load_tokenizer
 from titan_core.defaults import ADAMW_IMPLEMENTATIONS
+from titan_core.description import CORE_ATTENTION
 from titan_core.errors import ConfigError
 from titan_core.plan import Plan, build_plan, check_plugin_names, plugin_manager
 from titan_core.searchpath import PluginConfigSearchPath
@@ -58,10 +60,20 @@ def check_job(config, plan: Plan) -> None:
                           f"rank(s) x {training.grad_accum_steps} micro-batch(es)",
                           f"use a multiple of {split}")
     check_optimizer(config.optimizer)
+    check_attention_mask(training.attention_mask, plan)
     if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")
     check_documents(config.data)
+
+
+def check_attention_mask(mask: str, plan: Plan) -> None:
+    if mask not in MASKS:
+        raise ConfigError("training.attention_mask", f"unknown mask '{mask}'", f"use one of {', '.join(MASKS)}")
+    if mask == "block_causal" and plan.model.attention != CORE_ATTENTION:
+        raise ConfigError("training.attention_mask", f"model '{plan.model.family}' attends through "
+                          f"'{plan.model.attention}', which cannot mask documents (block_causal needs "
+                          f"ModelDescription.attention = '{CORE_ATTENTION}')", "set training.attention_mask=causal")
 
 
 def check_optimizer(optimizer) -> None:

@@ -214,6 +214,8 @@ CONFORMANCE = {
     "ac-full": Case(("+plugins=[ac]", "plugins.ac.mode=full")),
     "ac-selective-op": Case(("+plugins=[ac]", "plugins.ac.mode=selective_op")),
     "compile": Case(("+plugins=[compile]",)),
+    "chunked-loss-tp2": Case(("+plugins=[tp,chunked_loss]", "plugins.tp.degree=2",
+                              "plugins.chunked_loss.chunk_tokens=40")),
     "float8": Case(("+plugins=[float8]",), FLOAT8_LOSS_TOL, FLOAT8_PARAM_TOL, must_differ=True),
     # Saved under fsdp 2 after step 3, resumed in one process: the last steps must continue the reference.
     "checkpoint-fsdp2-to-one": Case(("+plugins=[fsdp,checkpoint]", "plugins.fsdp.degree=2",

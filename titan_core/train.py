@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
+from titan_core.attention import document_ids
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
 from titan_core.mesh import ParallelMesh, device_for_rank
@@ -112,7 +113,8 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
 
     loss_fn = cross_entropy_loss
     for name in hooks.order:
-        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, config=config) or loss_fn
+        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts,
+                                                 config=config) or loss_fn
     schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
     optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
     lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
@@ -132,11 +134,14 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
         for micro_inputs, micro_labels in zip(inputs.chunk(training.grad_accum_steps),
                                               labels.chunk(training.grad_accum_steps)):
             micro_inputs, micro_labels = micro_inputs.to(device), micro_labels.to(device)
+            model_kwargs = ({"document_ids": document_ids(micro_inputs, tokenizer.bos_id)}
+                            if training.attention_mask == "block_causal" else {})
             with contextlib.ExitStack() as contexts:
                 for context in hooks.each("batch_context", inputs=micro_inputs, labels=micro_labels,
-                                          model_parts=model_parts, mesh=mesh, config=config):
+                                          model_kwargs=model_kwargs, model_parts=model_parts, mesh=mesh,
+                                          config=config):
                     contexts.enter_context(context)
-                loss = schedule.run(micro_inputs, micro_labels)
+                loss = schedule.run(micro_inputs, micro_labels, model_kwargs)
             if loss is not None:
                 losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
         loss = global_mean_loss(losses, device)

@@ -56,7 +56,7 @@ def describe_model(model_config, vocab_size, seq_len):
             output="lm_head", divisible={"model.n_head": args.n_head}),
         attention=SDPA_CAUSAL, position_buffers=("positions",),
         init_buffers=lambda part: part.positions.copy_(part.positions.new_tensor(range(args.seq_len))),
-        float8_skip=("lm_head",),
+        float8_skip=("lm_head",), logits="lm_head",
     )
 
 

@@ -37,7 +37,8 @@ def main(out: Path) -> None:
         full_rope = model.rope.clone()
         inputs = torch.arange(SEQ).expand(2, SEQ).clone()
         labels = inputs + 100
-        with plugin.batch_context(inputs=inputs, labels=labels, model_parts=[model], mesh=mesh, plan=plan):
+        with plugin.batch_context(inputs=inputs, labels=labels, model_kwargs={}, model_parts=[model], mesh=mesh,
+                                  plan=plan):
             rope_rows = [next(p for p in range(SEQ) if torch.equal(row, full_rope[p])) for row in model.rope]
             seen = {"inputs": inputs.tolist(), "labels": labels.tolist(), "rope_rows": rope_rows}
         seen["rope_restored"] = torch.equal(model.rope, full_rope)

@@ -15,15 +15,21 @@ all-reduces each gradient over the cp group itself.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_gather_tensor, all_gather_tensor_autograd
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import context_parallel
+# Taken before any context_parallel() replaces F.scaled_dot_product_attention with its ring version.
+from torch.nn.functional import scaled_dot_product_attention as local_sdpa
 
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
 from titan_core import ConfigError, Declaration, hookimpl
 from titan_core.capabilities import CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING, SPLIT_BACKWARD
-from titan_core.description import SDPA_CAUSAL, attribute, lacks
+from titan_core.attention import document_attention, document_causal_mask
+from titan_core.description import CORE_ATTENTION, SDPA_CAUSAL, attribute, lacks
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -37,7 +43,7 @@ def declare(plugin_config):
 @hookimpl
 def validate(config, plugin_config, plan):
     degree = plan.degree("cp")
-    if plan.model.attention != SDPA_CAUSAL:
+    if plan.model.attention not in (SDPA_CAUSAL, CORE_ATTENTION):
         # Ring attention replaces causal SDPA; any other attention would see only its own shard's keys.
         raise ConfigError("plugins.cp", lacks(plan.model, "attention", "context parallel") if plan.model.attention is None
                           else f"model '{plan.model.family}' attends through '{plan.model.attention}', but context "
@@ -100,9 +106,37 @@ def apply_gradient_averaging(part: torch.nn.Module, cp_mesh) -> None:
 
 
 @hookimpl
-def batch_context(inputs, labels, model_parts, mesh, plan):
+def batch_context(inputs, labels, model_kwargs, model_parts, mesh, plan):
     """cp: split the batch and the model's position buffers along the sequence for one micro-batch."""
+    cp_mesh = mesh.submesh("cp")
     positions = [attribute(part, name) for part in model_parts for name in plan.model.position_buffers]
+    per_token = list(model_kwargs.values())
+    # Each token's global position, split like the tokens: document masks compare positions across shards.
+    token_positions = torch.arange(inputs.shape[1], device=inputs.device)
+    spent = [inputs, labels, *per_token, token_positions]
+    context = contextlib.ExitStack()
     # Split in place for the forward and backward; the positions are restored on exit, the batch is spent.
-    return context_parallel(mesh.submesh("cp"), buffers=[inputs, labels, *positions],
-                            buffer_seq_dims=[1, 1, *(0 for _ in positions)], no_restore_buffers={inputs, labels})
+    context.enter_context(context_parallel(cp_mesh, buffers=[*spent, *positions],
+                                           buffer_seq_dims=[1, 1, *(1 for _ in per_token), 0, *(0 for _ in positions)],
+                                           no_restore_buffers=set(spent)))
+    if "document_ids" in model_kwargs:
+        context.enter_context(document_attention(gathered_document_attention(cp_mesh.get_group(), token_positions)))
+    return context
+
+
+def gathered_document_attention(group, token_positions: torch.Tensor):
+    """Document-masked attention over the whole sequence: every rank gathers all keys and values.
+
+    The ring's log-sum-exp merging has no mask, so here each rank all-gathers the keys, values, document
+    ids and positions of the cp group and masks by global position and document. Memory per rank is
+    that of the whole sequence's keys and values; the gradient of the gathered keys and values is
+    reduce-scattered back to their ranks.
+    """
+    def attend(q, k, v, document_ids):
+        keys = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group)
+        values = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group)
+        key_documents = all_gather_tensor(document_ids.contiguous(), gather_dim=1, group=group)
+        key_positions = all_gather_tensor(token_positions, gather_dim=0, group=group)
+        mask = document_causal_mask(document_ids, token_positions, key_documents, key_positions)
+        return local_sdpa(q, keys, values, attn_mask=mask[:, None])
+    return attend

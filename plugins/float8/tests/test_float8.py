@@ -1,6 +1,8 @@
 """Float8 on CPU: which Linear layers are converted, real training against fp32, FSDP's float8
 all-gather with the scale precompute, MXFP8 emulated, and what is refused before launch."""
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,6 +66,18 @@ def test_mxfp8_emulated_trains_close_to_fp32(titan_reference, tmp_path):
     diff = max(abs(a - b) for a, b in zip(result.losses, titan_reference().losses, strict=True))
     print(f"mxfp8_emulated_rceil: max loss diff vs fp32 {diff:.2e}")
     assert 0 < diff <= MXFP8_LOSS_TOL
+    output = result.stdout + result.stderr
+    assert "torchao" not in output and "register_constant" not in output, output  # no library noise
+
+
+def test_torchao_start_up_noise_is_kept_at_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger="titan_core")
+    with plugin.torchao_noise_at_debug():
+        logging.getLogger("torchao.kernel.intmm").warning("Detected no triton")
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("titan_core", logging.DEBUG, "torchao.kernel.intmm: Detected no triton")]
+    logging.getLogger("torchao.kernel.intmm").warning("after")  # outside, torchao logs as it always did
+    assert caplog.records[-1].name == "torchao.kernel.intmm"
 
 
 @pytest.mark.slow

@@ -9,8 +9,10 @@ With ``fsdp_float8_all_gather`` the FSDP all-gather sends float8 weights (half t
 their scales are then computed for all layers at once after each optimizer step, in one all-reduce.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
+import logging
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from titan_core.description import canonical_name
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")
+log = logging.getLogger("titan_core")
 MXFP8_NEEDS_TRITON = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")  # torchao's CUDA cast kernels
 
 
@@ -47,10 +50,36 @@ def validate(plugin_config, plan):
 def convert_float8(model, plugin_config, plan):
     """float8: swap the model's convertible Linear layers for torchao's float8 (or MXFP8) training ones."""
     skipped = (*plan.model.float8_skip, *plugin_config.filter_fqns)
-    if plugin_config.recipe in MXFP8_RECIPES:
-        convert_mxfp8(model, plugin_config.recipe, skipped)
-    else:
-        convert_float8_linears(model, plugin_config.recipe, skipped, plugin_config.fsdp_float8_all_gather)
+    with torchao_noise_at_debug():
+        if plugin_config.recipe in MXFP8_RECIPES:
+            convert_mxfp8(model, plugin_config.recipe, skipped)
+        else:
+            convert_float8_linears(model, plugin_config.recipe, skipped, plugin_config.fsdp_float8_all_gather)
+
+
+class _AtDebug(logging.Handler):
+    """Re-logs a library's record at DEBUG on titan_core's logger."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log.debug("%s: %s", record.name, record.getMessage())
+
+
+@contextlib.contextmanager
+def torchao_noise_at_debug():
+    """torchao's known start-up warnings at DEBUG, not on the console: without its CUDA kernels it warns
+    "Failed to load ... .so" for each and "Detected no triton", and its Enum registration trips a pytree
+    deprecation warning. None is anything a user can act on; our own checks refuse what cannot run."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    handler, propagates = _AtDebug(), [logger.propagate for logger in loggers]
+    for logger in loggers:  # records of child loggers (torchao.kernel.*) reach this handler and stop there
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in zip(loggers, propagates):
+            logger.removeHandler(handler)
+            logger.propagate = propagate
 
 
 def convert_float8_linears(model: nn.Module, recipe: str, skipped, fsdp_float8_all_gather: bool) -> None:

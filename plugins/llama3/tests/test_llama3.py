@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from titan_core.attention import document_ids
 from titan_core.init import init_weights
 from titan_core.testing import model_conformance
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
@@ -92,3 +93,24 @@ def test_ffn_hidden_size_follows_the_published_rounding():
 
 
 test_llama3_conformance = model_conformance(["model=tiny"])
+
+
+def test_block_causal_attention_equals_each_document_alone():
+    """Packed documents masked by document attend as if each were the whole input (RoPE is relative,
+    so only positions within a document matter)."""
+    bos = 95
+    model = Transformer(tiny_args(max_seq_len=38))
+    init_weights(model, describe(model.args), 0)
+    torch.manual_seed(0)
+    documents = [torch.cat([torch.tensor([bos]), torch.randint(0, 90, (n - 1,))]) for n in (5, 9, 3, 15)]
+    packed = torch.cat([torch.randint(0, 90, (6,)), *documents])[None]  # a row opens mid-document
+    with torch.no_grad():
+        masked = model(packed, document_ids=document_ids(packed, bos))
+        causal = model(packed)
+        start = 6
+        for document in documents:
+            alone = model(document[None])
+            torch.testing.assert_close(masked[:, start:start + len(document)], alone, rtol=0, atol=2e-5)
+            start += len(document)
+        torch.testing.assert_close(masked[:, :6], model(packed[:, :6]), rtol=0, atol=2e-5)
+    assert (masked - causal).abs().max() > 1e-2  # without the mask later documents see earlier ones

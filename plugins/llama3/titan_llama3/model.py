@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_core.attention import causal_attention
+
 
 @dataclass
 class LlamaArgs:
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -100,7 +102,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         k = k.repeat_interleave(self.n_rep, dim=2)
         v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -123,8 +125,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, document_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -141,9 +143,9 @@ class Transformer(nn.Module):
         # Not persistent: it is derived from args, and checkpoints should hold only learned state.
         self.register_buffer("rope", rope_frequencies(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, self.rope, document_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from titan_core import ConfigError, hookimpl
-from titan_core.description import (SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
+from titan_core.description import (CORE_ATTENTION, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
                                     read_options)
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 
@@ -138,9 +138,9 @@ def describe(args: LlamaArgs) -> ModelDescription:
             block_norms=("attention_norm", "ffn_norm"), block_regions=("attention", "feed_forward"),
             embeddings=("tok_embeddings",), final_norms=("norm",), output="output",
             divisible={"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads}),
-        attention=SDPA_CAUSAL, position_buffers=("rope",),
+        attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: part.rope.copy_(rope_frequencies(args)),
-        float8_skip=("output",),
+        float8_skip=("output",), logits="output",
         hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"output.weight": "tok_embeddings.weight"}),
     )

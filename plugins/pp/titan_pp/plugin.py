@@ -103,12 +103,14 @@ class PipelineStep:
     def scaled_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(outputs, labels) / self.scale
 
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor | None:
         # torch also calls the loss function to infer shapes on the first step: take the
         # micro-batches' losses from the schedule rather than counting calls.
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
-        self.schedule.step(*args, target=labels if self.holds_last else None, losses=losses, return_outputs=False)
+        # Every stage takes the keyword arguments (document ids), split into micro-batches like the inputs.
+        self.schedule.step(*args, target=labels if self.holds_last else None, losses=losses, return_outputs=False,
+                           **model_kwargs)
         if not self.holds_last:
             return None
         # Equal micro-batches: the mean of their mean losses is the mean loss of the local batch.

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_core.attention import causal_attention
+
 
 @dataclass
 class Qwen3Args:
@@ -54,7 +56,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # (batch, seq, heads, head_dim), -1 heads: tensor parallel leaves each rank a share of them.
         q = self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim))
@@ -63,7 +65,7 @@ class Attention(nn.Module):
         rope = rope[:seq]  # the whole local sequence is here; the stream outside may be split (SP)
         q, k = rotate(q, rope), rotate(k, rope)
         k, v = (t.repeat_interleave(self.groups, dim=2) for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -86,8 +88,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, document_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -103,10 +105,10 @@ class Qwen3(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, self.rope, document_ids)
         if self.norm is None:
             return h
         h = self.norm(h)

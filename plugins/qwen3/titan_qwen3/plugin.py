@@ -6,7 +6,7 @@ import math
 from dataclasses import fields
 
 from titan_core import ConfigError, hookimpl
-from titan_core.description import (SDPA_CAUSAL, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
+from titan_core.description import (CORE_ATTENTION, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
                                     read_options)
 from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
 
@@ -85,9 +85,9 @@ def describe(args: Qwen3Args) -> ModelDescription:
             embeddings=("embed_tokens",), final_norms=("norm",), output="lm_head",
             divisible={"model.num_attention_heads": args.num_attention_heads,
                        "model.num_key_value_heads": args.num_key_value_heads}) if untied else None,
-        attention=SDPA_CAUSAL, position_buffers=("rope",),
+        attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: part.rope.copy_(rope_table(args)),
-        float8_skip=("lm_head",),
+        float8_skip=("lm_head",), logits="lm_head" if untied else None,
         hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
     )

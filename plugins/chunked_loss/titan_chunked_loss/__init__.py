@@ -1,0 +1,1 @@
+"""titan-core plugin ``chunked_loss``: cross entropy a chunk of tokens at a time."""
