@@ -32,19 +32,42 @@ BUILDER_HOOKS = ("describe_model", "build_model", "build_schedule", "build_optim
 
 
 @dataclass(frozen=True)
+class MeshDimension:
+    """A mesh dimension: the core's (``MESH_DIMS``) or one a plugin adds in ``Declaration.dimensions``.
+
+    ``after``: the dimension it follows in the mesh order, outermost first (None: innermost), so that a
+    dimension whose collectives are frequent sits on the fast links. ``borrows``: dimensions, adjacent in
+    that order, whose ranks it reuses instead of multiplying the world (expert parallel borrows the
+    data- and context-parallel ranks); its degree must divide their product, and the mesh then also has
+    ``<name>_rest``, the borrowed ranks it leaves (the experts' FSDP shards over those). ``data_parallel``:
+    ranks along it hold different samples; the batch is split over every such dimension.
+    """
+
+    after: str | None = None
+    borrows: tuple[str, ...] = ()
+    data_parallel: bool = False
+
+
+CORE_DIMENSIONS = {"pp": MeshDimension(), "dp_replicate": MeshDimension(data_parallel=True),
+                   "dp_shard": MeshDimension(data_parallel=True), "cp": MeshDimension(), "tp": MeshDimension()}
+
+
+@dataclass(frozen=True)
 class Declaration:
     """What one plugin contributes; returned by its ``declare`` hook.
 
     ``stage`` orders model transforms (lower first; docs/architecture.md lists the first-party plugins'
-    stages, which leave gaps for others). ``mesh`` maps mesh dimensions (see ``MESH_DIMS``) to degrees;
-    -1 means "all ranks the other dimensions leave". ``provides`` and ``requires`` name capabilities
-    (:mod:`titan_core.capabilities`).
+    stages, which leave gaps for others). ``mesh`` maps mesh dimensions to degrees; -1 means "all ranks
+    the other dimensions leave" (for a borrowing dimension: all the ranks it borrows). A dimension is the
+    core's (``MESH_DIMS``) or one that ``dimensions`` defines (:class:`MeshDimension`). ``provides`` and
+    ``requires`` name capabilities (:mod:`titan_core.capabilities`).
     """
 
     stage: int | None = None
     mesh: Mapping[str, int] = field(default_factory=dict)
     provides: frozenset[str] = frozenset()
     requires: frozenset[str] = frozenset()
+    dimensions: Mapping[str, MeshDimension] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,9 +80,11 @@ class PlannedPlugin:
 @dataclass(frozen=True)
 class Plan:
     plugins: tuple[PlannedPlugin, ...]  # in transform order: stage, then name
-    mesh_shape: Mapping[str, int]  # declared dimensions only, in MESH_DIMS order
+    mesh_shape: Mapping[str, int]  # the dimensions whose degrees multiply to the world, in mesh order
     world_size: int
     model: ModelDescription
+    borrowing: Mapping[str, int] = field(default_factory=dict)  # dimensions that reuse ranks: their degrees
+    dimensions: Mapping[str, MeshDimension] = field(default_factory=dict)  # every sized dimension's definition
 
     def provides(self, capability: str) -> bool:
         """Whether some enabled plugin provides ``capability``."""
@@ -70,14 +95,25 @@ class Plan:
         return [p.name for p in self.plugins]
 
     def degree(self, dim: str) -> int:
-        return self.mesh_shape.get(dim, 1)
+        return self.mesh_shape.get(dim, self.borrowing.get(dim, 1))
+
+    @property
+    def data_parallel_dims(self) -> tuple[str, ...]:
+        """The dimensions whose ranks hold different samples, in mesh order."""
+        return tuple(d for d in self.mesh_shape if self.dimensions.get(d, CORE_DIMENSIONS.get(d)).data_parallel)
 
     @property
     def dp_size(self) -> int:
-        return self.degree("dp_replicate") * self.degree("dp_shard")
+        return math.prod(self.mesh_shape[d] for d in self.data_parallel_dims)
+
+    def borrowed(self) -> dict[str, tuple[int, tuple[str, ...]]]:
+        """For each borrowing dimension: its degree and the sized dimensions whose ranks it reuses."""
+        return {dim: (degree, tuple(d for d in self.dimensions[dim].borrows if d in self.mesh_shape))
+                for dim, degree in self.borrowing.items()}
 
     def describe(self) -> str:
         shape = " x ".join(f"{d} {n}" for d, n in self.mesh_shape.items()) or "single process"
+        shape += "".join(f"; {dim} {degree} within {' x '.join(dims)}" for dim, (degree, dims) in self.borrowed().items())
         lines = [f"titan-core plan: world {self.world_size} = {shape}; model {self.model.family}"]
         for p in self.plugins:
             d = p.declaration
@@ -279,8 +315,10 @@ def build_plan(config, pm: pluggy.PluginManager, world_size: int | None, vocab_s
     planned.sort(key=lambda p: (p.declaration.stage is None, p.declaration.stage or 0, p.name))
 
     _check_capabilities(planned)
-    mesh_shape = _mesh_shape(planned, world_size, config.launch.get("world_size"))
-    plan = Plan(tuple(planned), mesh_shape, math.prod(mesh_shape.values()), description)
+    dimensions = _dimensions(planned)
+    mesh_shape, borrowing = _mesh_shape(planned, dimensions, world_size, config.launch.get("world_size"))
+    plan = Plan(tuple(planned), mesh_shape, math.prod(mesh_shape.values()), description, borrowing,
+                {dim: dimensions[dim] for dim in (*mesh_shape, *borrowing)})
     for p in planned:
         call_plugin(pm, "validate", p.name, config=config, plugin_config=config.plugins[p.name], plan=plan)
     return plan
@@ -304,14 +342,38 @@ def _check_capabilities(planned: list[PlannedPlugin]) -> None:
                               f"add a plugin that provides '{capability}' to +plugins=[...]")
 
 
-def _mesh_shape(planned: list[PlannedPlugin], world_size: int | None, configured_world: int | None) -> dict[str, int]:
+def _dimensions(planned: list[PlannedPlugin]) -> dict[str, MeshDimension]:
+    """Every dimension the job may size, in mesh order: the core's with the plugins' inserted."""
+    order, definitions, owner = list(MESH_DIMS), dict(CORE_DIMENSIONS), {}
+    for p in planned:
+        for dim, definition in p.declaration.dimensions.items():
+            field_name = f"plugins.{p.name}"
+            if dim in definitions:
+                by = f"plugins.{owner[dim]}" if dim in owner else "the core"
+                raise ConfigError(field_name, f"defines mesh dimension '{dim}', which {by} already defines",
+                                  f"enable only one of them, or name the dimension differently")
+            if definition.after is not None and definition.after not in definitions:
+                raise ConfigError(field_name, f"places mesh dimension '{dim}' after unknown dimension "
+                                  f"'{definition.after}'", f"use one of {', '.join(order)}")
+            unknown = [d for d in definition.borrows if d not in definitions or definitions[d].borrows]
+            if unknown:
+                raise ConfigError(field_name, f"mesh dimension '{dim}' borrows '{unknown[0]}', which is no mesh "
+                                  "dimension that multiplies the world", f"borrow from {', '.join(order)}")
+            order.insert(order.index(definition.after) + 1 if definition.after else len(order), dim)
+            definitions[dim], owner[dim] = definition, p.name
+    return {dim: definitions[dim] for dim in order}
+
+
+def _mesh_shape(planned: list[PlannedPlugin], dimensions: dict[str, MeshDimension], world_size: int | None,
+                configured_world: int | None) -> tuple[dict[str, int], dict[str, int]]:
+    """The degrees of the dimensions that multiply to the world, in mesh order, and of those that borrow."""
     degrees: dict[str, tuple[int, str]] = {}
     for p in planned:
         for dim, degree in p.declaration.mesh.items():
             field_name = f"plugins.{p.name}"
-            if dim not in MESH_DIMS:
+            if dim not in dimensions:
                 raise ConfigError(field_name, f"declares unknown mesh dimension '{dim}'",
-                                  f"use one of {', '.join(MESH_DIMS)}")
+                                  f"use one of {', '.join(dimensions)}, or define it in Declaration.dimensions")
             if dim in degrees:
                 raise ConfigError(field_name, f"mesh dimension '{dim}' is already sized by plugins.{degrees[dim][1]}",
                                   f"enable only one of {degrees[dim][1]} and {p.name}")
@@ -319,6 +381,7 @@ def _mesh_shape(planned: list[PlannedPlugin], world_size: int | None, configured
                 raise ConfigError(f"{field_name}.degree", f"{dim} degree {degree} is not a positive integer or -1",
                                   "use a positive degree, or -1 for all remaining ranks")
             degrees[dim] = (degree, p.name)
+    borrowing = {dim: degrees.pop(dim) for dim in list(degrees) if dimensions[dim].borrows}
 
     world = world_size if world_size is not None else configured_world
     fixed = math.prod(d for d, _ in degrees.values() if d != -1)
@@ -336,13 +399,31 @@ def _mesh_shape(planned: list[PlannedPlugin], world_size: int | None, configured
             raise ConfigError(f"plugins.{owner}.degree", f"world {world} is not divisible by the other degrees ({fixed})",
                               "choose degrees whose product divides the world size")
         degrees[fill[0]] = (world // fixed, owner)
-    shape = {dim: degrees[dim][0] for dim in MESH_DIMS if dim in degrees}
+    shape = {dim: degrees[dim][0] for dim in dimensions if dim in degrees}
     product = math.prod(shape.values())
     if world is not None and product != world:
         source = "WORLD_SIZE from torchrun" if world_size is not None else "launch.world_size"
         raise ConfigError("plugins.*.degree", f"the degrees multiply to {product} but {source} is {world}",
                           f"make the product of the degrees equal {world}, or set one degree to -1")
-    return shape
+    return shape, {dim: _borrowed_degree(dim, degree, owner, dimensions, shape)
+                   for dim, (degree, owner) in borrowing.items()}
+
+
+def _borrowed_degree(dim: str, degree: int, owner: str, dimensions: dict[str, MeshDimension],
+                     shape: dict[str, int]) -> int:
+    """The degree of a borrowing dimension, checked against the ranks it borrows."""
+    lenders = [d for d in dimensions[dim].borrows if d in shape]
+    ranks = math.prod(shape[d] for d in lenders)
+    names = " x ".join(dimensions[dim].borrows)
+    positions = [list(shape).index(d) for d in lenders]
+    if positions and positions != list(range(positions[0], positions[0] + len(positions))):
+        raise ConfigError(f"plugins.{owner}", f"mesh dimension '{dim}' borrows {names}, which are not adjacent "
+                          f"in the mesh order ({', '.join(shape)})", "borrow adjacent dimensions")
+    degree = ranks if degree == -1 else degree
+    if ranks % degree:
+        raise ConfigError(f"plugins.{owner}.degree", f"{dim} degree {degree} does not divide the {ranks} rank(s) "
+                          f"of {names} it borrows", f"choose a divisor of {ranks}, or enlarge {names}")
+    return degree
 
 
 def _dist_name(ep: EntryPoint) -> str:

@@ -92,7 +92,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
     if training.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    mesh = ParallelMesh(plan.mesh_shape, device.type)
+    mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
 
     with torch.device("meta"):
         model = hooks.first("build_model", description=plan.model)
@@ -118,7 +118,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
     schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
     optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
     lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
-    dp_rank = mesh.local_rank("dp_replicate", "dp_shard")
+    dp_rank = mesh.local_rank(*plan.data_parallel_dims)
     dataloader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
                              dp_size=plan.dp_size)
     state = TrainState(model_parts, optimizer, lr_scheduler, dataloader)
