@@ -81,12 +81,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Qwen3Args):
+    def __init__(self, args: Qwen3Args, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, document_ids)
@@ -100,10 +100,16 @@ class Qwen3(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in range(args.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, self.feed_forward(args, i))
+                                     for i in range(args.num_hidden_layers)})
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args), persistent=False)
+
+    @staticmethod
+    def feed_forward(args: Qwen3Args, layer: int) -> nn.Module:
+        """The feed-forward sub-layer of block ``layer`` (a mixture of experts in Qwen3-MoE)."""
+        return MLP(args)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens

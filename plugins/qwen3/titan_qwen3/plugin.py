@@ -16,13 +16,17 @@ OPTIONS = tuple(f.name for f in fields(Qwen3Args) if f.name != "seq_len")
 
 def qwen3_args(model_config, vocab_size: int, seq_len: int) -> Qwen3Args:
     args = Qwen3Args(**read_options(model_config, OPTIONS, "Qwen3", vocab_size), seq_len=seq_len)
+    check_attention_shape(args)
+    return args
+
+
+def check_attention_shape(args: Qwen3Args) -> None:
     if args.num_attention_heads % args.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads", f"{args.num_key_value_heads} does not divide "
                           f"num_attention_heads {args.num_attention_heads}", "choose a divisor of num_attention_heads")
     if args.head_dim % 2:
         raise ConfigError("model.head_dim", f"{args.head_dim} is odd and RoPE rotates its two halves",
                           "use an even head_dim")
-    return args
 
 
 def param_init(args: Qwen3Args):

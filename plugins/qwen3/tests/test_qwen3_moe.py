@@ -1,0 +1,131 @@
+"""Qwen3-MoE: published sizes, the routed experts against a token-by-token loop, transformers reads our
+export with equal logits and import gives the model back, the conformance kit, and tp refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from titan_checkpoint.hf import export_hf, import_hf
+from titan_core.init import init_weights
+from titan_core.testing import TINY, error_line, model_conformance, run_job
+from titan_qwen3.moe import MoE, Qwen3Moe
+from titan_qwen3.moe_plugin import describe, qwen3_moe_args
+
+CONF = Path(__file__).resolve().parents[1] / "titan_qwen3" / "conf" / "model"
+TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+
+# Tensor parallel (and its chunked-loss case) need a layout the MoE blocks do not have yet: refused below.
+test_qwen3_moe_conformance = model_conformance(["model=qwen3_moe_tiny"], cases=[
+    "fsdp2", "cp2", "pp2-gpipe", "pp2-interleaved1f1b", "ac-full", "ac-selective-op", "compile", "float8",
+    "checkpoint-fsdp2-to-one"])
+
+
+def args(name="qwen3_moe_tiny", vocab_size=300, seq_len=32, **overrides):
+    return qwen3_moe_args({**OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml")), **overrides},
+                          vocab_size=vocab_size, seq_len=seq_len)
+
+
+# Totals to the published configs' exact counts; active parameters to the names' rounding (A3B, A22B).
+@pytest.mark.parametrize("name, total, active, rounding", [("qwen3_30B_A3B", 30.53, 3.3, 0.06),
+                                                           ("qwen3_235B_A22B", 235.09, 22, 0.2)])
+def test_published_sizes(name, total, active, rounding):
+    moe_args = args(name, vocab_size=151936, seq_len=4096)
+    with torch.device("meta"):
+        model = Qwen3Moe(moe_args)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(total, abs=0.01)
+    unused = moe_args.num_experts - moe_args.num_experts_per_tok  # experts a token does not meet
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert (sum(p.numel() for p in model.parameters()) - experts * unused / moe_args.num_experts) / 1e9 == \
+        pytest.approx(active, abs=rounding)
+
+
+def loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its experts, one at a time: slow and obviously right."""
+    flat = x.reshape(-1, x.shape[-1])
+    scores = F.linear(flat, moe.gate.weight).softmax(-1)
+    out = torch.zeros_like(flat)
+    for t in range(len(flat)):
+        weights, chosen = scores[t].topk(moe.gate.top_k)
+        weights = weights / weights.sum()
+        for weight, e in zip(weights, chosen):
+            gate, up = F.linear(flat[t], moe.experts.gate_up_proj[e]).chunk(2)
+            out[t] += weight * F.linear(F.silu(gate) * up, moe.experts.down_proj[e])
+    return out.reshape(x.shape)
+
+
+def test_routed_experts_equal_a_token_by_token_loop():
+    moe = MoE(args())
+    torch.manual_seed(0)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    x = torch.randn(3, 7, 64)
+    torch.testing.assert_close(moe(x), loop_reference(moe, x), rtol=1e-5, atol=1e-5)  # a wrong expert or weight moves outputs by ~0.1
+    # Skewed routing: most tokens pick the same experts, some experts get none.
+    moe.gate.weight.data[:2] += 5
+    torch.testing.assert_close(moe(x), loop_reference(moe, x), rtol=1e-5, atol=1e-5)  # a wrong expert or weight moves outputs by ~0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_three_expert_kernels_agree(dtype):
+    """torch._grouped_mm (GPUs, bf16; it runs on this CPU in bf16 only), the padded batch (eager) and the
+    gathered weights (under the compiler, whose shapes cannot depend on the routing)."""
+    moe = MoE(args()).to(dtype)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    tokens = torch.randn(20, 64, dtype=dtype)
+    counts = torch.tensor([5, 0, 3, 4, 0, 6, 1, 1])
+    padded = moe.experts._padded(tokens, counts)
+    # fp32 sums in another order (~1e-6); a copy sent to the wrong expert is off by ~0.1.
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(moe.experts._gathered(tokens, counts), padded, **tolerance)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(moe.experts._grouped(tokens, counts), padded)
+
+
+def tiny_moe() -> Qwen3Moe:
+    model = Qwen3Moe(args(rope_theta=10000.0))
+    init_weights(model, describe(model.args), 3)
+    with torch.no_grad():  # norms start at 1 and the router near uniform: move them so mistakes show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            if name.endswith("gate.weight"):
+                param.normal_(0, 1)
+    return model.eval()
+
+
+def test_transformers_reads_the_export_with_equal_logits_and_import_gives_it_back(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_moe()
+    adapter = describe(model.args).hf
+    export_hf(model.state_dict(), adapter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["num_experts"], config["mlp_only_layers"]) == ("qwen3_moe", 8, [0])
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(TOKENS)
+        diff = (hf(TOKENS).logits - expected).abs().max().item()
+    print(f"max logit diff against transformers' Qwen3-MoE: {diff:.2e}")
+    assert diff <= 1e-5
+
+    options, weights = import_hf(tmp_path, adapter)
+    rebuilt = Qwen3Moe(qwen3_moe_args(options, vocab_size=300, seq_len=32))
+    rebuilt.load_state_dict(weights)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(TOKENS), expected)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+plugins=[tp]", "plugins.tp.degree=2"],
+     "plugins.tp: model 'qwen3_moe' does not describe tensor_parallel, which tensor parallel needs "
+     "(ModelDescription.tensor_parallel is None); fix: remove tp from +plugins=[...]"),
+    (["model.num_experts_per_tok=9"], "model.num_experts_per_tok: 9 experts per token out of 8; fix: choose 1 to 8"),
+])
+def test_refused_before_launch(tmp_path, overrides, message):
+    result = run_job([*TINY, "model=qwen3_moe_tiny", *overrides, "launch.dry_run=true"], tmp_path / "run",
+                     expect_success=False)
+    assert error_line(result) == f"titan-core: error: {message}"

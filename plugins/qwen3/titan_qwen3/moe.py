@@ -1,0 +1,119 @@
+"""Qwen3-MoE: Qwen3's attention with a mixture of experts in place of the feed-forward.
+
+Each token's router scores (softmax over the experts, in fp32) choose its ``num_experts_per_tok`` experts;
+with ``norm_topk_prob`` the chosen scores are renormalized to sum to one. Every token is computed by
+every expert it chose (dropless: no capacity, nothing dropped). The tokens are sorted by expert and the
+experts' SwiGLU runs as one grouped matmul over all of them, never a Python loop over experts.
+
+Names follow transformers' Qwen3-MoE modules (``mlp.gate.weight`` the router, ``mlp.experts.gate_up_proj``
+(experts, 2 x moe_intermediate_size, hidden) and ``mlp.experts.down_proj`` (experts, hidden,
+moe_intermediate_size)), so a checkpoint is exported and read back by renaming only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_qwen3.model import MLP, Qwen3, Qwen3Args
+
+
+@dataclass
+class Qwen3MoeArgs(Qwen3Args):
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = True  # transformers' default is false; the released Qwen3-MoE configs set true
+    decoder_sparse_step: int = 1  # every n-th block has experts; the others a dense feed-forward
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs):
+        super().__init__()
+        self.top_k, self.normalize = args.num_experts_per_tok, args.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, hidden) -> the chosen experts' weights and indices, each (tokens, top_k)."""
+        scores = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.type_as(x), experts
+
+
+class GroupedExperts(nn.Module):
+    """Every expert's SwiGLU, applied to tokens already sorted by expert (``counts`` of each)."""
+
+    def __init__(self, args: Qwen3MoeArgs):
+        super().__init__()
+        experts, hidden, inner = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if tokens.is_cuda and tokens.dtype == torch.bfloat16:
+            return self._grouped(tokens, counts)
+        if torch.compiler.is_compiling():
+            return self._gathered(tokens, counts)
+        return self._padded(tokens, counts)
+
+    def _grouped(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # torch._grouped_mm: one kernel over variable-size groups (bf16; fp32 is refused on CPU in torch 2.13).
+        ends = counts.cumsum(0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(tokens, self.gate_up_proj.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
+
+    def _padded(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Each expert's tokens in one row of a (experts, most tokens, hidden) batch, then two batched matmuls.
+        experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts)
+        starts = counts.cumsum(0) - counts
+        slots = torch.arange(len(tokens), device=tokens.device) - starts[experts]
+        padded = tokens.new_zeros(len(counts), int(counts.max()) if len(tokens) else 0, tokens.shape[-1])
+        padded = padded.index_put((experts, slots), tokens)
+        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(-2, -1)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(-2, -1))[experts, slots]
+
+    def _gathered(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Static shapes for the compiler (the padded batch's size depends on the routing, which inductor
+        # cannot lower): each token copy multiplies its own expert's gathered weights. Memory grows with
+        # tokens x expert size, so only compiled fp32 or CPU runs take this path.
+        experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts,
+                                          output_size=len(tokens))
+        gate, up = torch.bmm(self.gate_up_proj[experts], tokens[:, :, None]).squeeze(-1).chunk(2, dim=-1)
+        return torch.bmm(self.down_proj[experts], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+
+
+class MoE(nn.Module):
+    """Route, sort the token copies by expert, run the experts, weight and sum each token's copies."""
+
+    def __init__(self, args: Qwen3MoeArgs):
+        super().__init__()
+        self.num_experts = args.num_experts
+        self.gate = TopKRouter(args)
+        self.experts = GroupedExperts(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.gate(x)
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        token = order // experts.shape[1]  # which token each sorted copy belongs to
+        out = self.experts(x[token], counts) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add(0, token, out).reshape(shape)
+
+
+class Qwen3Moe(Qwen3):
+    """Qwen3 whose feed-forward sub-layers are mixtures of experts (some dense, per the options)."""
+
+    @staticmethod
+    def feed_forward(args: Qwen3MoeArgs, layer: int) -> nn.Module:
+        return MoE(args) if args.sparse(layer) else MLP(args)

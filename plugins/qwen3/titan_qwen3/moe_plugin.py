@@ -1,0 +1,96 @@
+"""The Qwen3-MoE model plugin: Qwen3's options plus the experts', its description and its HF names."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from titan_core import ConfigError, hookimpl
+from titan_core.description import CORE_ATTENTION, HFAdapter, ModelDescription, ParamInit, read_options
+from titan_qwen3.model import rope_table
+from titan_qwen3.moe import Qwen3Moe, Qwen3MoeArgs
+from titan_qwen3.plugin import check_attention_shape, from_hf, param_init, to_hf
+
+FAMILY = "qwen3_moe"
+OPTIONS = tuple(f.name for f in dataclasses.fields(Qwen3MoeArgs) if f.name != "seq_len")
+
+
+def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
+    options = read_options(model_config, OPTIONS, "Qwen3-MoE", vocab_size)
+    options["mlp_only_layers"] = tuple(options.get("mlp_only_layers") or ())
+    args = Qwen3MoeArgs(**options, seq_len=seq_len)
+    check_attention_shape(args)
+    if not 1 <= args.num_experts_per_tok <= args.num_experts:
+        raise ConfigError("model.num_experts_per_tok", f"{args.num_experts_per_tok} experts per token out of "
+                          f"{args.num_experts}", f"choose 1 to {args.num_experts}")
+    if args.decoder_sparse_step < 1:
+        raise ConfigError("model.decoder_sparse_step", f"{args.decoder_sparse_step} is not a positive integer",
+                          "use 1 for experts in every block, n for every n-th")
+    return args
+
+
+def moe_param_init(args: Qwen3MoeArgs):
+    dense = param_init(args)
+
+    def rule(name: str) -> ParamInit:
+        if name.endswith("experts.down_proj"):  # residual writers, like the dense down_proj
+            return ParamInit.normal(0.02 / math.sqrt(2 * args.num_hidden_layers))
+        return dense(name)
+    return rule
+
+
+def flops_per_token(args: Qwen3MoeArgs):
+    """Training FLOPs of the weights a token meets (its experts only) and of attention."""
+    hidden = args.hidden_size
+    attention = hidden * args.head_dim * 2 * (args.num_attention_heads + args.num_key_value_heads)
+    sparse = sum(args.sparse(i) for i in range(args.num_hidden_layers))
+    expert_weights = sparse * (hidden * args.num_experts + args.num_experts_per_tok * 3 * hidden * args.moe_intermediate_size)
+    dense_weights = (args.num_hidden_layers - sparse) * 3 * hidden * args.intermediate_size
+    weights = args.num_hidden_layers * attention + expert_weights + dense_weights + hidden * args.vocab_size
+    return lambda seq_len: 6 * weights + 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
+
+
+def hf_config(args: Qwen3MoeArgs) -> dict:
+    options = {name: getattr(args, name) for name in OPTIONS}
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+            "attention_bias": False, "max_position_embeddings": args.seq_len, **options,
+            "mlp_only_layers": list(args.mlp_only_layers),
+            "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
+
+
+def options_from_hf(config: dict) -> dict:
+    """``model.*`` options reproducing a Hugging Face Qwen3-MoE config (older files say num_local_experts)."""
+    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1000000.0)}
+    options = {name: config[name] for name in OPTIONS if name in config}
+    if "num_experts" not in options and "num_local_experts" in config:
+        options["num_experts"] = config["num_local_experts"]
+    options["norm_topk_prob"] = config.get("norm_topk_prob", False)  # transformers' default when unset
+    return {"name": FAMILY, **options, "rope_theta": rope["rope_theta"]}
+
+
+@hookimpl
+def describe_model(model_config, vocab_size, seq_len):
+    """Qwen3-MoE: check the options; describe blocks, RoPE positions, the logits layer and HF names."""
+    return describe(qwen3_moe_args(model_config, vocab_size, seq_len))
+
+
+def describe(args: Qwen3MoeArgs) -> ModelDescription:
+    untied = not args.tie_word_embeddings
+    return ModelDescription(
+        family=FAMILY, args=args, n_layers=args.num_hidden_layers,
+        param_init=moe_param_init(args), flops_per_token=flops_per_token(args),
+        blocks="layers",
+        inputs=("embed_tokens",) if untied else None, outputs=("norm", "lm_head") if untied else None,
+        # No tensor-parallel layout yet: the experts would need a replicated (or expert-parallel) plan.
+        attention=CORE_ATTENTION, position_buffers=("rope",),
+        init_buffers=lambda part: part.rope.copy_(rope_table(args)),
+        float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
+        hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
+                     tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
+    )
+
+
+@hookimpl
+def build_model(description):
+    """Qwen3-MoE: the model of the described options."""
+    return Qwen3Moe(description.args)
