@@ -29,7 +29,8 @@ from titan_core.testing import TINY, compare, run_job
 RESUME_STEP = 3
 # Each factor: its values as (label, ranks it adds, overrides). "-" leaves the plugin out.
 FACTORS = {
-    "model": [("llama3", 1, ("model=tiny",)), ("qwen3", 1, ("model=qwen3_tiny",))],
+    "model": [("llama3", 1, ("model=tiny",)), ("qwen3", 1, ("model=qwen3_tiny",)),
+              ("qwen3-moe", 1, ("model=qwen3_moe_tiny",))],
     # Changes the model's function, so the single-process reference takes it too (see reference_overrides).
     "mask": [("-", 1, ()), ("block-causal", 1, ("training.attention_mask=block_causal",))],
     "dp": [("-", 1, ()), ("fsdp", 2, ("fsdp", "plugins.fsdp.degree=2")),

@@ -108,20 +108,29 @@ def apply_gradient_averaging(part: torch.nn.Module, cp_mesh) -> None:
 @hookimpl
 def batch_context(inputs, labels, model_kwargs, model_parts, mesh, plan):
     """cp: split the batch and the model's position buffers along the sequence for one micro-batch."""
-    cp_mesh = mesh.submesh("cp")
+    return _sequence_split(inputs, labels, model_kwargs, model_parts, mesh.submesh("cp"), plan)
+
+
+@contextlib.contextmanager
+def _sequence_split(inputs, labels, model_kwargs, model_parts, cp_mesh, plan):
+    # A generator, so that nothing is entered before the core enters it in plan order, inside tp's
+    # loss_parallel: context_parallel's exit resets DTensor's
+    # custom op handlers, which loss_parallel's exit must find as it left them.
     positions = [attribute(part, name) for part in model_parts for name in plan.model.position_buffers]
     per_token = list(model_kwargs.values())
     # Each token's global position, split like the tokens: document masks compare positions across shards.
     token_positions = torch.arange(inputs.shape[1], device=inputs.device)
     spent = [inputs, labels, *per_token, token_positions]
-    context = contextlib.ExitStack()
-    # Split in place for the forward and backward; the positions are restored on exit, the batch is spent.
-    context.enter_context(context_parallel(cp_mesh, buffers=[*spent, *positions],
-                                           buffer_seq_dims=[1, 1, *(1 for _ in per_token), 0, *(0 for _ in positions)],
-                                           no_restore_buffers=set(spent)))
-    if "document_ids" in model_kwargs:
-        context.enter_context(document_attention(gathered_document_attention(cp_mesh.get_group(), token_positions)))
-    return context
+    with contextlib.ExitStack() as context:
+        # Split in place for the forward and backward; the positions are restored on exit, the batch is spent.
+        context.enter_context(context_parallel(cp_mesh, buffers=[*spent, *positions],
+                                               buffer_seq_dims=[1, 1, *(1 for _ in per_token), 0,
+                                                                *(0 for _ in positions)],
+                                               no_restore_buffers=set(spent)))
+        if "document_ids" in model_kwargs:
+            context.enter_context(document_attention(gathered_document_attention(cp_mesh.get_group(),
+                                                                                 token_positions)))
+        yield
 
 
 def gathered_document_attention(group, token_positions: torch.Tensor):
