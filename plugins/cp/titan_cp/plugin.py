@@ -114,8 +114,8 @@ def batch_context(inputs, labels, model_kwargs, model_parts, mesh, plan):
 @contextlib.contextmanager
 def _sequence_split(inputs, labels, model_kwargs, model_parts, cp_mesh, plan):
     # A generator, so that nothing is entered before the core enters it in plan order, inside tp's
-    # loss_parallel: context_parallel's exit resets DTensor's
-    # custom op handlers, which loss_parallel's exit must find as it left them.
+    # loss_parallel: context_parallel's exit resets DTensor's custom op handlers, which loss_parallel's
+    # exit must find as it left them.
     positions = [attribute(part, name) for part in model_parts for name in plan.model.position_buffers]
     per_token = list(model_kwargs.values())
     # Each token's global position, split like the tokens: document masks compare positions across shards.
