@@ -2,6 +2,7 @@
 
     python bench/stack_matrix.py                 # the whole covering array (about an hour on 2 cores)
     python bench/stack_matrix.py --limit 6       # its first stacks
+    python bench/stack_matrix.py --start 8       # all but the first 8 (to continue a stopped run)
 
 A covering array (allpairspy) over the first-party plugins' behaviour-changing options and the installed
 model families puts every pair of values in some stack, with at most 8 ranks per stack. Each stack is
@@ -133,8 +134,9 @@ def run_stack(row, workdir: Path, reference) -> tuple[str, float | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, help="run only the first N stacks")
+    parser.add_argument("--start", type=int, default=0, help="skip the first N stacks (continue a stopped run)")
     args = parser.parse_args()
-    rows, references, counts = stacks(args.limit), {}, {"passed": 0, "refused": 0, "failed": 0}
+    rows, references, counts = stacks(args.limit)[args.start:], {}, {"passed": 0, "refused": 0, "failed": 0}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         def reference(shared: tuple) -> object:
