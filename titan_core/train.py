@@ -113,8 +113,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
 
     loss_fn = cross_entropy_loss
     for name in hooks.order:
-        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts,
-                                                 config=config) or loss_fn
+        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
     schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
     optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
     lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
