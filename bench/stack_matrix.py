@@ -104,7 +104,8 @@ def overrides(row) -> list[str]:
 
 def reference_overrides(row) -> tuple[str, ...]:
     """What the single-process run shares with the stack: the model and its attention mask."""
-    return (*row[0][2], *row[1][2])
+    shared = [list(FACTORS).index(name) for name in ("model", "mask")]
+    return tuple(option for i in shared for option in row[i][2])
 
 
 def run_stack(row, workdir: Path, reference) -> tuple[str, float | None]:

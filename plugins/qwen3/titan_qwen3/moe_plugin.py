@@ -9,7 +9,7 @@ from titan_core import ConfigError, hookimpl
 from titan_core.description import CORE_ATTENTION, HFAdapter, ModelDescription, ParamInit, read_options
 from titan_qwen3.model import rope_table
 from titan_qwen3.moe import Qwen3Moe, Qwen3MoeArgs
-from titan_qwen3.plugin import check_attention_shape, from_hf, param_init, to_hf
+from titan_qwen3 import plugin as qwen3
 
 FAMILY = "qwen3_moe"
 OPTIONS = tuple(f.name for f in dataclasses.fields(Qwen3MoeArgs) if f.name != "seq_len")
@@ -19,7 +19,7 @@ def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
     options = read_options(model_config, OPTIONS, "Qwen3-MoE", vocab_size)
     options["mlp_only_layers"] = tuple(options.get("mlp_only_layers") or ())
     args = Qwen3MoeArgs(**options, seq_len=seq_len)
-    check_attention_shape(args)
+    qwen3.check_attention_shape(args)
     if not 1 <= args.num_experts_per_tok <= args.num_experts:
         raise ConfigError("model.num_experts_per_tok", f"{args.num_experts_per_tok} experts per token out of "
                           f"{args.num_experts}", f"choose 1 to {args.num_experts}")
@@ -30,7 +30,7 @@ def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
 
 
 def moe_param_init(args: Qwen3MoeArgs):
-    dense = param_init(args)
+    dense = qwen3.param_init(args)
 
     def rule(name: str) -> ParamInit:
         if name.endswith("experts.down_proj"):  # residual writers, like the dense down_proj
@@ -40,32 +40,26 @@ def moe_param_init(args: Qwen3MoeArgs):
 
 
 def flops_per_token(args: Qwen3MoeArgs):
-    """Training FLOPs of the weights a token meets (its experts only) and of attention."""
+    """Qwen3's, counting the router and the experts a token meets in sparse blocks."""
     hidden = args.hidden_size
-    attention = hidden * args.head_dim * 2 * (args.num_attention_heads + args.num_key_value_heads)
     sparse = sum(args.sparse(i) for i in range(args.num_hidden_layers))
-    expert_weights = sparse * (hidden * args.num_experts + args.num_experts_per_tok * 3 * hidden * args.moe_intermediate_size)
-    dense_weights = (args.num_hidden_layers - sparse) * 3 * hidden * args.intermediate_size
-    weights = args.num_hidden_layers * attention + expert_weights + dense_weights + hidden * args.vocab_size
-    return lambda seq_len: 6 * weights + 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
+    experts = sparse * (hidden * args.num_experts + args.num_experts_per_tok * 3 * hidden * args.moe_intermediate_size)
+    dense = (args.num_hidden_layers - sparse) * 3 * hidden * args.intermediate_size
+    return qwen3.flops_per_token(args, experts + dense)
 
 
 def hf_config(args: Qwen3MoeArgs) -> dict:
-    options = {name: getattr(args, name) for name in OPTIONS}
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
-            "attention_bias": False, "max_position_embeddings": args.seq_len, **options,
-            "mlp_only_layers": list(args.mlp_only_layers),
-            "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
+    return {**qwen3.hf_config(args, OPTIONS, "Qwen3MoeForCausalLM", "qwen3_moe"),
+            "mlp_only_layers": list(args.mlp_only_layers)}
 
 
 def options_from_hf(config: dict) -> dict:
     """``model.*`` options reproducing a Hugging Face Qwen3-MoE config (older files say num_local_experts)."""
-    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1000000.0)}
-    options = {name: config[name] for name in OPTIONS if name in config}
-    if "num_experts" not in options and "num_local_experts" in config:
+    options = qwen3.options_from_hf(config, OPTIONS, FAMILY)
+    if "num_experts" not in config and "num_local_experts" in config:
         options["num_experts"] = config["num_local_experts"]
     options["norm_topk_prob"] = config.get("norm_topk_prob", False)  # transformers' default when unset
-    return {"name": FAMILY, **options, "rope_theta": rope["rope_theta"]}
+    return options
 
 
 @hookimpl
@@ -85,7 +79,7 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: part.rope.copy_(rope_table(args)),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
-        hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
+        hf=HFAdapter(config=hf_config(args), to_hf=qwen3.to_hf, from_hf=qwen3.from_hf, options_from_hf=options_from_hf,
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
     )
 

@@ -39,26 +39,31 @@ def param_init(args: Qwen3Args):
     return rule
 
 
-def flops_per_token(args: Qwen3Args):
+def flops_per_token(args: Qwen3Args, feed_forward_weights: int | None = None):
+    """Training FLOPs per token: 6 per weight a token meets, plus attention's. ``feed_forward_weights`` (all
+    blocks) defaults to the dense SwiGLU's; a mixture of experts counts the experts a token meets."""
+    if feed_forward_weights is None:
+        feed_forward_weights = args.num_hidden_layers * 3 * args.hidden_size * args.intermediate_size
     attention = args.hidden_size * args.head_dim * 2 * (args.num_attention_heads + args.num_key_value_heads)
-    weights = args.num_hidden_layers * (attention + 3 * args.hidden_size * args.intermediate_size)
-    weights += args.hidden_size * args.vocab_size
-    return lambda seq_len: 6 * weights + 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
+    weights = args.num_hidden_layers * attention + feed_forward_weights + args.hidden_size * args.vocab_size
+    attention_scores = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim
+    return lambda seq_len: 6 * weights + attention_scores * seq_len
 
 
-def hf_config(args: Qwen3Args) -> dict:
-    options = {name: getattr(args, name) for name in OPTIONS}
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-            "attention_bias": False, "max_position_embeddings": args.seq_len, **options,
+def hf_config(args: Qwen3Args, options=OPTIONS, architecture: str = "Qwen3ForCausalLM",
+              model_type: str = "qwen3") -> dict:
+    values = {name: getattr(args, name) for name in options}
+    return {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
+            "attention_bias": False, "max_position_embeddings": args.seq_len, **values,
             # transformers 5 reads rope_parameters; earlier versions rope_theta.
             "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
 
 
-def options_from_hf(config: dict) -> dict:
+def options_from_hf(config: dict, options=OPTIONS, family: str = FAMILY) -> dict:
     """``model.*`` options reproducing a Hugging Face Qwen3 config."""
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1000000.0)}
-    options = {name: config[name] for name in OPTIONS if name in config}
-    return {"name": FAMILY, **options, "rope_theta": rope["rope_theta"]}
+    values = {name: config[name] for name in options if name in config}
+    return {"name": family, **values, "rope_theta": rope["rope_theta"]}
 
 
 def to_hf(name: str) -> str:
