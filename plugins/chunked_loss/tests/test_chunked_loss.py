@@ -68,7 +68,8 @@ def test_trains_like_the_plain_loss(titan_parity):
     ["+plugins=[pp,tp,chunked_loss]", "plugins.pp.degree=2", "plugins.tp.degree=2"],
     ["+plugins=[fsdp,tp,chunked_loss]", "plugins.fsdp.degree=2", "plugins.fsdp.reshard_after_forward=always",
      "plugins.tp.degree=2", "plugins.tp.loss_parallel=false"],
-], ids=["pp-tp-loss-parallel", "fsdp-reshard-always-tp-no-loss-parallel"])
+    ["+plugins=[fsdp,chunked_loss,compile]", "plugins.fsdp.degree=2", "plugins.compile.compile_loss=true"],
+], ids=["pp-tp-loss-parallel", "fsdp-reshard-always-tp-no-loss-parallel", "fsdp-compiled-loss"])
 def test_composes_with_parallelism(titan_parity, overrides):
     report = titan_parity([*overrides, "plugins.chunked_loss.chunk_tokens=40"])
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
