@@ -13,5 +13,9 @@ CONTEXT_PARALLEL = "context_parallel"
 # Shards parameters over the data-parallel ranks (dp_shard, flattened with cp when present) and averages
 # gradients there: FSDP2 or SimpleFSDP.
 DATA_PARALLEL_SHARDING = "data_parallel_sharding"
+# Also honours titan_core.data_parallel.replicate_only_over: parameters another plugin has already split
+# over part of the data-parallel ranks are sharded over the rest only (FSDP2).
+PARTIAL_DATA_PARALLEL = "partial_data_parallel"
+EXPERT_PARALLEL = "expert_parallel"  # splits the experts of mixture-of-experts blocks over ranks
 COMPILE = "compile"  # compiles the blocks with torch.compile
 CHECKPOINTING = "checkpointing"  # saves and restores the training state

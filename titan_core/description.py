@@ -4,9 +4,9 @@ A model plugin returns a :class:`ModelDescription` from its ``describe_model`` h
 plugin reads this description instead of knowing a model's module names: FSDP and activation
 checkpointing wrap the modules of ``blocks``, pipeline parallel keeps some blocks and drops ``inputs`` or
 ``outputs`` per stage, tensor parallel applies ``tensor_parallel``, context parallel splits the
-``position_buffers`` and relies on the ``attention`` seam, float8 skips ``float8_skip``, the core
-initializes each shard by ``param_init`` and computes MFU from ``flops_per_token``, the checkpoint plugin
-maps names through ``hf``. A field left at None means "this model does not support it", and the plugin
+``position_buffers`` and relies on the ``attention`` seam, float8 skips ``float8_skip``, expert parallel
+splits ``experts``, the core initializes each shard by ``param_init`` and computes MFU from
+``flops_per_token``, the checkpoint plugin maps names through ``hf``. A field left at None means "this model does not support it", and the plugin
 that needs it refuses before launch with one line naming the field.
 
 Paths are dotted attribute paths (``transformer.h``): ``blocks``, ``inputs``, ``outputs``, ``position_buffers``
@@ -79,6 +79,24 @@ class TensorParallelLayout:
 
 
 @dataclass(frozen=True)
+class ExpertsLayout:
+    """Where a mixture-of-experts model keeps its experts, for expert parallel.
+
+    ``module`` is the path, inside one block, of the module holding every expert of that block
+    (``mlp.experts``); blocks without it (dense ones) are left alone. ``count`` is the number of experts
+    of each such module. The module's contract: ``forward(tokens, counts)`` takes the token copies sorted
+    by expert, (n, hidden), and how many go to each expert, an integer tensor of the module's expert
+    count, and returns their outputs (n, hidden) in the same order; each of its parameters has the expert
+    index as its first dimension and no expert's output depends on another's tokens. Expert parallel
+    leaves each rank a contiguous slice of the experts (the module then sees its parameters' slice and
+    counts of the same length) and moves the tokens to them and back.
+    """
+
+    module: str
+    count: int
+
+
+@dataclass(frozen=True)
 class HFAdapter:
     """How the model reads and writes a Hugging Face folder (``config.json`` + safetensors).
 
@@ -125,6 +143,7 @@ class ModelDescription:
       ``logits``: the root ``nn.Linear`` (no bias, one of ``outputs``) that maps the final hidden state to
       the vocabulary: a loss that computes the logits itself (chunked cross entropy) replaces it in the
       model with a pass-through holding its weight.
+      ``experts``: an :class:`ExpertsLayout` (mixture-of-experts models).
       ``hf``: an :class:`HFAdapter`.
     """
 
@@ -142,6 +161,7 @@ class ModelDescription:
     init_buffers: Callable[[nn.Module], None] | None = None
     float8_skip: tuple[str, ...] = ()
     logits: str | None = None
+    experts: ExpertsLayout | None = None
     hf: HFAdapter | None = None
 
     def blocks_of(self, part: nn.Module) -> nn.ModuleDict:

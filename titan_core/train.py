@@ -189,17 +189,23 @@ def global_mean_loss(losses: list[torch.Tensor], device: torch.device) -> float:
 
 def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, mesh: ParallelMesh) -> float:
     """Total L2 norm of all gradients across every shard and pipeline stage; clips to ``max_norm``."""
-    params = [p for part in model_parts for p in part.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    by_mesh: dict[object, list[torch.Tensor]] = {}  # DTensors of different meshes (experts') never mix in one op
+    for part in model_parts:
+        for p in part.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = [torch.zeros((), device=mesh.device_type)]
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    norm = torch.stack(squares).sum()
     pp = mesh.submesh("pp")
     if pp is not None:  # each stage holds different parameters: sum the squares over stages
-        norm = norm**2
         dist.all_reduce(norm, group=pp.get_group())
-        norm = norm.sqrt()
+    norm = norm.sqrt()
     if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.item()
 
 

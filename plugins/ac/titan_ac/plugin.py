@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan_core import ConfigError, Declaration, hookimpl
 from titan_core.capabilities import SPLIT_BACKWARD
@@ -21,6 +21,11 @@ from titan_core.description import lacks
 
 STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their collectives too; before compile
 MODES = ("full", "selective_op", "selective_layer")
+# Profiler ranges are markers, not results. FSDP opens them in its hooks, which run a different number of
+# times in forward and in recomputation when an FSDP unit sits inside a checkpointed block (expert
+# parallel's experts): counted as ops, they failed backward with "invocation index ... not found".
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 @hookimpl

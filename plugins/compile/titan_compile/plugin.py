@@ -14,13 +14,18 @@ With ``compile_loss`` the loss function is compiled too (through the core's ``wr
 cross entropy over the vocabulary is a large activation for a small model, and compiled, inductor can
 fuse its log-softmax with the gather. Not under tensor parallel, where the logits may be
 vocabulary-sharded DTensors inside loss parallel.
+
+Under expert parallel a mixture-of-experts block cannot be one graph: the experts' all-to-all reads its
+split sizes on the host, and FSDP shards the experts as a unit of their own whose hooks dynamo must not
+trace. Such blocks are compiled with graph breaks around the experts (``fullgraph`` off for them only);
+the rest of each block is still compiled.
 """
 
 import torch
 from torch import nn
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import COMPILE
+from titan_core.capabilities import COMPILE, EXPERT_PARALLEL
 from titan_core.description import canonical_name, lacks
 
 STAGE = 500  # after the transforms that rewrite a block (TP, CP, AC), before FSDP wraps it
@@ -69,8 +74,20 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
             if tensor_parallel:
                 for region in tp_regions(block, plan.model.tensor_parallel.block_regions):
                     region.forward = torch.compile(region.forward, **options)
+            elif plan.provides(EXPERT_PARALLEL) and _has_experts(block, plan.model):
+                block.compile(**{**options, "fullgraph": False})
             else:
                 block.compile(**options)
+
+
+def _has_experts(block: nn.Module, description) -> bool:
+    if description.experts is None:
+        return False
+    try:
+        block.get_submodule(description.experts.module)
+    except AttributeError:
+        return False
+    return True
 
 
 @hookimpl

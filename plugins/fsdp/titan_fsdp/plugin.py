@@ -8,7 +8,8 @@ like those of different samples), and ``dp_replicate`` adds an outer replica dim
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import DATA_PARALLEL_SHARDING, SPLIT_BACKWARD
+from titan_core.capabilities import DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL, SPLIT_BACKWARD
+from titan_core.data_parallel import replicated_over
 from titan_core.description import lacks
 from titan_core.options import FLOAT_DTYPES, float_dtype
 
@@ -21,7 +22,7 @@ def declare(plugin_config):
     mesh = {"dp_shard": plugin_config.degree}
     if plugin_config.replicate_degree != 1:
         mesh["dp_replicate"] = plugin_config.replicate_degree
-    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING}))
+    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL}))
 
 
 @hookimpl
@@ -60,11 +61,27 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
     for part in model_parts:
         blocks = list(plan.model.blocks_of(part).values())
         for i, block in enumerate(blocks):
-            fully_shard(block, reshard_after_forward=_reshard(plugin_config, last=i == len(blocks) - 1,
-                                                              pipelined=pipelined), **policy)
+            reshard = _reshard(plugin_config, last=i == len(blocks) - 1, pipelined=pipelined)
+            _shard_partly_split(block, mesh, plan.dp_size, reshard, policy)
+            fully_shard(block, reshard_after_forward=reshard, **policy)
         # The root's parameters are needed again right away by backward: keep them gathered.
         fully_shard(part, reshard_after_forward=plugin_config.reshard_after_forward == "always", **policy)
         _prefetch(blocks, plugin_config.prefetch)
+
+
+def _shard_partly_split(block, mesh, dp_size: int, reshard: bool, policy: dict) -> None:
+    """Modules another plugin already split over some data-parallel ranks (expert parallel's experts): their
+    own FSDP unit over the ranks it left, gradients divided by the whole data-parallel size."""
+    for module in block.modules():
+        dims = replicated_over(module)
+        if dims is not None:
+            fully_shard(module, reshard_after_forward=reshard,
+                        **{**policy, "mesh": mesh.submesh("dp_replicate", tuple(dims))})
+            module.set_gradient_divide_factor(dp_size)
+            # A divide factor reduce-scatters with NCCL's PREMUL_SUM, which gloo lacks: sum, then divide. Not
+            # over a single rank, where torch 2.13 would divide twice (it divides when copying the gradient).
+            if mesh.device_type == "cpu" and mesh.submesh(tuple(dims)).size() > 1:
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def _reshard(plugin_config, last: bool, pipelined: bool) -> bool:

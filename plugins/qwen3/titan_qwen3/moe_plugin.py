@@ -6,7 +6,8 @@ import dataclasses
 import math
 
 from titan_core import ConfigError, hookimpl
-from titan_core.description import CORE_ATTENTION, HFAdapter, ModelDescription, ParamInit, read_options
+from titan_core.description import (CORE_ATTENTION, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
+                                    read_options)
 from titan_qwen3.model import rope_table
 from titan_qwen3.moe import Qwen3Moe, Qwen3MoeArgs
 from titan_qwen3 import plugin as qwen3
@@ -79,6 +80,7 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: part.rope.copy_(rope_table(args)),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
+        experts=ExpertsLayout(module="mlp.experts", count=args.num_experts),
         hf=HFAdapter(config=hf_config(args), to_hf=qwen3.to_hf, from_hf=qwen3.from_hf, options_from_hf=options_from_hf,
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
     )
