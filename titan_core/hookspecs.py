@@ -191,6 +191,17 @@ def after_optimizer_step(model_parts, optimizer, config, step, plugin_config):
 
 
 @hookspec
+def step_metrics(model_parts, step, config, plugin_config, plan):
+    """Query: called on every rank at each step that is logged, after the optimizer step; returns a dict of
+    extra metric names to numbers logged with that step (console line, metrics.jsonl, TensorBoard), or None.
+
+    Every rank calls it at the same steps in the same plugin order, so it may use collectives; the values
+    rank 0 returns are the ones logged. For what the model or a plugin measured since the last logged
+    step (the routers' load over the experts).
+    """
+
+
+@hookspec
 def on_step_end(step, metrics, config, plugin_config):
     """Event: ``step`` has finished; ``metrics`` is a dict of the values logged for it, on every rank.
 

@@ -50,6 +50,10 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+CORE_METRICS = frozenset({"step", "loss", "loss_avg", "grad_norm", "lr", "step_time_s", "tokens_per_s",
+                          "tokens_per_s_per_device", "tflops_per_device", "memory_gib", "mfu"})
+
+
 class MetricsLogger:
     def __init__(self, config, run_dir: Path, rank: int, world_size: int, device: torch.device,
                  flops_per_token: float, first_step: int):
@@ -74,7 +78,11 @@ class MetricsLogger:
         self.last_step = first_step
         self.window: dict[int, float] = {}
 
-    def step(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` is one that is logged."""
+        return step % self.every == 0 or step == self.steps
+
+    def step(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
         """Record ``step``; returns the logged values (empty on steps that are not logged).
 
         ``loss`` is this step's own loss, so a resumed or restarted run logs exactly what the
@@ -83,7 +91,7 @@ class MetricsLogger:
         window (the first log line after a resume).
         """
         self.window[step] = loss
-        if step % self.every and step != self.steps:
+        if not self.logs(step):
             return {}
         window = range((step - 1) // self.every * self.every + 1, step + 1)  # since the last multiple of every
         seen = all(s in self.window for s in window)
@@ -97,7 +105,7 @@ class MetricsLogger:
                    "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
                    "tflops_per_device": tflops,
-                   "memory_gib": memory_gib(self.device)}
+                   "memory_gib": memory_gib(self.device), **(extra or {})}
         if self.peak:
             metrics["mfu"] = tflops / self.peak
         self.last, self.last_step = now, step
@@ -109,10 +117,11 @@ class MetricsLogger:
         mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
         # Per device first, as published tables quote it (TPS/GPU); the job's total beside it.
         average = f" (avg {m['loss_avg']:.4f})" if "loss_avg" in m else ""
+        extra = "".join(f" | {key} {m[key]:.3g}" for key in m if key not in CORE_METRICS)
         log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total) | "
-                 "%.3g TFLOPS/device%s | mem %.2f GiB | eta %s",
+                 "%.3g TFLOPS/device%s | mem %.2f GiB%s | eta %s",
                  m["step"], self.steps, m["loss"], average, m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
-                 m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], _duration(eta_s))
+                 m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], extra, _duration(eta_s))
         self.jsonl.write(json.dumps(m) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:

@@ -154,7 +154,11 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
         lr_scheduler.step()
         hooks.each("after_optimizer_step", model_parts=model_parts, optimizer=optimizer, config=config,
                    step=state.step)
-        logged = metrics.step(state.step, loss, grad_norm, lr)
+        extra = {}
+        if metrics.logs(state.step):
+            for answer in hooks.each("step_metrics", model_parts=model_parts, step=state.step, config=config):
+                extra.update(answer)
+        logged = metrics.step(state.step, loss, grad_norm, lr, extra)
         hooks.each("on_step_end", step=state.step, metrics=logged, config=config)
         if state.step < training.steps:
             hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False)

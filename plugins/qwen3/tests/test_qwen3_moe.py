@@ -131,3 +131,44 @@ def test_refused_before_launch(tmp_path, overrides, message):
     result = run_job([*TINY, "model=qwen3_moe_tiny", *overrides, "launch.dry_run=true"], tmp_path / "run",
                      expect_success=False)
     assert error_line(result) == f"titan-core: error: {message}"
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group, caplog):
+    from titan_core.plan import Plan
+    from titan_qwen3.moe_plugin import IdleExperts, step_metrics
+
+    model = tiny_moe()
+    chosen = {}  # per sparse block, the experts its router chose, seen from outside
+    for layer in (1, 2, 3):
+        model.layers[str(layer)].mlp.gate.register_forward_hook(
+            lambda module, args, out, layer=layer: chosen.setdefault(layer, []).append(out[1].flatten()))
+    with torch.no_grad():
+        model(TOKENS)
+        model(TOKENS[:1])
+    for layer in (1, 2, 3):
+        counted = model.layers[str(layer)].mlp.tokens_per_expert
+        assert torch.equal(counted, torch.bincount(torch.cat(chosen[layer]), minlength=8))
+        assert counted.sum() == 3 * 32 * 2  # both calls, every token's two copies
+
+    for layer, counts in zip((1, 2, 3), ([4, 4, 4, 4, 4, 4, 4, 4], [8, 0, 4, 4, 4, 4, 4, 4], [2, 6, 4, 4, 4, 4, 4, 4])):
+        model.layers[str(layer)].mlp.tokens_per_expert.copy_(torch.tensor(counts))
+    metrics = step_metrics(model_parts=[model], step=10, plan=Plan((), {}, 1, describe(model.args)))
+    assert metrics == {"expert_load_min": 0.0, "expert_load_max": 2.0, "idle_experts": 1}
+    assert all(model.layers[str(layer)].mlp.tokens_per_expert.sum() == 0 for layer in (1, 2, 3))  # read and reset
+
+    idle = IdleExperts(limit=100)
+    quiet = torch.tensor([[3.0, 0.0], [1.0, 1.0]])
+    assert idle.update(quiet, [1, 3], step=60) == []
+    assert idle.update(quiet, [1, 3], step=100) == [(1, 1)]  # idle for 100 steps: reported once
+    assert idle.update(quiet, [1, 3], step=150) == []
+    assert "expert 1 of block 1 has received no token for 100 steps" in caplog.text
+    assert idle.update(torch.tensor([[3.0, 1.0], [1.0, 0.0]]), [1, 3], step=160) == []  # block 3's just started

@@ -99,6 +99,9 @@ class MoE(nn.Module):
         self.num_experts = args.num_experts
         self.gate = TopKRouter(args)
         self.experts = GroupedExperts(args)
+        # Token copies each expert received since the metrics last read it (recomputation counts twice,
+        # which the load ratios logged from it do not see).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -106,6 +109,8 @@ class MoE(nn.Module):
         weights, experts = self.gate(x)
         order = experts.flatten().argsort(stable=True)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += counts
         token = order // experts.shape[1]  # which token each sorted copy belongs to
         out = self.experts(x[token], counts) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add(0, token, out).reshape(shape)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+
+import torch
+import torch.distributed as dist
 
 from titan_core import ConfigError, hookimpl
 from titan_core.description import (CORE_ATTENTION, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
                                     read_options)
 from titan_qwen3.model import rope_table
-from titan_qwen3.moe import Qwen3Moe, Qwen3MoeArgs
+from titan_qwen3.moe import MoE, Qwen3Moe, Qwen3MoeArgs
 from titan_qwen3 import plugin as qwen3
 
+log = logging.getLogger("titan_core")
 FAMILY = "qwen3_moe"
+IDLE_WARNING_STEPS = 100  # an expert that no token chose for this many steps is reported once
 OPTIONS = tuple(f.name for f in dataclasses.fields(Qwen3MoeArgs) if f.name != "seq_len")
 
 
@@ -78,7 +84,7 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         inputs=("embed_tokens",) if untied else None, outputs=("norm", "lm_head") if untied else None,
         # No tensor-parallel layout yet: the experts would need a replicated (or expert-parallel) plan.
         attention=CORE_ATTENTION, position_buffers=("rope",),
-        init_buffers=lambda part: part.rope.copy_(rope_table(args)),
+        init_buffers=lambda part: init_buffers(part, args),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
         experts=ExpertsLayout(module="mlp.experts", count=args.num_experts),
         hf=HFAdapter(config=hf_config(args), to_hf=qwen3.to_hf, from_hf=qwen3.from_hf, options_from_hf=options_from_hf,
@@ -90,3 +96,56 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
 def build_model(description):
     """Qwen3-MoE: the model of the described options."""
     return Qwen3Moe(description.args)
+
+
+def init_buffers(part, args: Qwen3MoeArgs) -> None:
+    part.rope.copy_(rope_table(args))
+    for module in part.modules():
+        if isinstance(module, MoE):
+            module.tokens_per_expert.zero_()
+
+
+@hookimpl
+def step_metrics(model_parts, step, plan):
+    """Qwen3-MoE: how the routers spread the global batch's tokens over the experts since the last log."""
+    args = plan.model.args
+    sparse = [layer for layer in range(args.num_hidden_layers) if args.sparse(layer)]
+    counts = torch.zeros(args.num_hidden_layers, args.num_experts, device=next(model_parts[0].buffers()).device)
+    for part in model_parts:
+        for name, block in plan.model.blocks_of(part).items():
+            for module in block.modules():
+                if isinstance(module, MoE):
+                    counts[int(name)] = module.tokens_per_expert.float()
+                    module.tokens_per_expert.zero_()
+    # Summed over every rank: data- and context-parallel ranks route different tokens, pipeline stages hold
+    # different blocks, tensor-parallel ranks the same tokens (counted once each).
+    dist.all_reduce(counts)
+    counts = counts[sparse] / plan.degree("tp")
+    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
+    _idle_experts.update(counts, sparse, step)
+    return {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
+            "idle_experts": int((counts == 0).sum())}
+
+
+class IdleExperts:
+    """Counts, per (sparse block, expert), the logged steps since a token last chose it; warns once at ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit, self.idle, self.last_step, self.warned = limit, None, 0, set()
+
+    def update(self, counts: torch.Tensor, sparse: list[int], step: int) -> list[tuple[int, int]]:
+        """Record the counts since the last logged step; returns the (block, expert) pairs newly reported."""
+        idle = torch.zeros_like(counts) if self.idle is None else self.idle
+        self.idle = torch.where(counts == 0, idle + (step - self.last_step), torch.zeros_like(idle))
+        self.last_step = step
+        reported = [(sparse[row], expert) for row, expert in (self.idle >= self.limit).nonzero().tolist()
+                    if (sparse[row], expert) not in self.warned]
+        for block, expert in reported:
+            self.warned.add((block, expert))
+            if dist.get_rank() == 0:
+                log.warning("expert %d of block %d has received no token for %d steps: its router never chooses it",
+                            expert, block, int(self.idle[sparse.index(block), expert]))
+        return reported
+
+
+_idle_experts = IdleExperts(IDLE_WARNING_STEPS)
