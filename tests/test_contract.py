@@ -16,26 +16,57 @@ from torch import nn
 
 from titan_core import hookimpl
 from titan_core.attention import causal_attention
-from titan_core.description import CORE_ATTENTION, ModelDescription, ParamInit
+from titan_core.description import CORE_ATTENTION, ExpertsLayout, ModelDescription, ParamInit
+
+
+class Experts(nn.Module):  # every expert of a block; the copies come sorted by expert, counts of each
+
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.up = nn.Parameter(torch.empty(experts, 2 * dim, dim))
+        self.down = nn.Parameter(torch.empty(experts, dim, 2 * dim))
+
+    def forward(self, tokens, counts):
+        outs = [F.gelu(chunk @ self.up[e].T) @ self.down[e].T
+                for e, chunk in enumerate(torch.split(tokens, counts.tolist()))]
+        return torch.cat(outs)
+
+
+class TopTwo(nn.Module):
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = Experts(experts, dim)
+
+    def forward(self, x):
+        flat = x.flatten(0, 1)
+        weights, chosen = self.router(flat).softmax(-1).topk(2, dim=-1)
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.router.out_features)
+        token = order // 2
+        out = self.experts(flat[token], counts) * weights.flatten()[order, None]
+        return torch.zeros_like(flat).index_add(0, token, out).view_as(x)
 
 
 class Block(nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, experts):
         super().__init__()
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
+        self.moe = TopTwo(experts, dim) if experts else None
 
     def forward(self, x, document_ids=None):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
-        return x + self.out(causal_attention(q, k, v, document_ids).transpose(1, 2).flatten(2))
+        x = x + self.out(causal_attention(q, k, v, document_ids).transpose(1, 2).flatten(2))
+        return x if self.moe is None else x + self.moe(x)
 
 
 class Bare(nn.Module):
-    def __init__(self, vocab, dim, layers, seq):
+    def __init__(self, vocab, dim, layers, seq, experts):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.stack = nn.ModuleDict({str(i): Block(dim) for i in range(layers)})
+        self.stack = nn.ModuleDict({str(i): Block(dim, experts) for i in range(layers)})
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens, document_ids=None):
@@ -47,8 +78,10 @@ class Bare(nn.Module):
 
 @hookimpl
 def describe_model(model_config, vocab_size, seq_len):
-    return ModelDescription(family="bare", args=(vocab_size, model_config.dim, model_config.layers, seq_len),
+    experts = model_config.get("experts", 0)
+    return ModelDescription(family="bare", args=(vocab_size, model_config.dim, model_config.layers, seq_len, experts),
                             n_layers=model_config.layers, blocks="stack", attention=CORE_ATTENTION,
+                            experts=ExpertsLayout(module="moe.experts", count=experts) if experts else None,
                             param_init=lambda name: ParamInit.constant(0.0) if name.endswith("bias")
                             else ParamInit.normal(0.02),
                             flops_per_token=lambda seq: 6.0 * seq)
@@ -87,6 +120,11 @@ def after_optimizer_step(optimizer, step):
 
 
 @hookimpl
+def step_metrics(step):
+    return {"probe_step_squared": float(step * step)}
+
+
+@hookimpl
 def on_train_end(plugin_config):
     with open(plugin_config.out, "w") as f:
         json.dump(seen, f)
@@ -106,7 +144,7 @@ def apply_paralelism(model_parts):
 def outsiders(tmp_path):
     return install_plugins(tmp_path / "site", {"probe": (PROBE, "lr: 5.0e-4\nout: null\n"), "typo": (TYPO, "")},
                            distribution="outsider", models={"bare": (BARE_MODEL, {"bare_tiny": "name: bare\ndim: 32\n"
-                                                                                               "layers: 2\n"})})
+                                                                                               "layers: 2\nexperts: 0\n"})})
 
 
 BARE = [*TINY, "model=bare_tiny"]
@@ -117,6 +155,19 @@ def test_an_outside_model_trains_sharded_like_one_process(tmp_path, outsiders):
     reference = run_job(BARE, tmp_path / "one", env=outsiders)
     report = compare(run_job([*BARE, "+plugins=[fsdp,ac]", "plugins.fsdp.degree=2"], tmp_path / "fsdp", env=outsiders),
                      reference)
+    assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+
+
+@pytest.mark.slow
+def test_an_outside_mixture_of_experts_trains_expert_parallel_like_one_process(tmp_path, outsiders):
+    """The experts contract of docs/writing-models.md: a module of all experts called with the copies sorted
+    by expert. Under ep each rank's module holds 2 of the 4 experts and sees counts of length 2."""
+    moe = [*BARE, "model.experts=4"]
+    reference = run_job(moe, tmp_path / "one", env=outsiders)
+    result = run_job([*moe, "+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"], tmp_path / "ep",
+                     env=outsiders)
+    assert "holds experts 2-3 of 4 in each of 2 blocks" in (result.run_dir / "logs" / "rank1.log").read_text()
+    report = compare(result, reference)
     assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
 
 
@@ -167,5 +218,7 @@ def test_lifecycle_hooks_and_own_options(tmp_path, outsiders):
     result = run_job([*TINY, "training.steps=3", "+plugins=[probe]", f"plugins.probe.out={out}"], tmp_path / "run",
                      env=outsiders)
     assert [m["lr"] for m in result.metrics] == [5e-4] * 3  # the lr the optimizer used, set by the plugin
+    assert [m["probe_step_squared"] for m in result.metrics] == [1, 4, 9]  # its own metric, logged every step
+    assert "| probe_step_squared 9 |" in result.stdout
     assert json.loads(out.read_text()) == {"after_init": True, "optimizer_steps": 3}
     assert "   -  probe" in result.stdout  # no declare: no stage, still in the plan
