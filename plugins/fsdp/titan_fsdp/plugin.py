@@ -62,14 +62,14 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
         blocks = list(plan.model.blocks_of(part).values())
         for i, block in enumerate(blocks):
             reshard = _reshard(plugin_config, last=i == len(blocks) - 1, pipelined=pipelined)
-            _shard_partly_split(block, mesh, plan.dp_size, reshard, policy)
+            _shard_partly_split(block, mesh, plan, reshard, policy)
             fully_shard(block, reshard_after_forward=reshard, **policy)
         # The root's parameters are needed again right away by backward: keep them gathered.
         fully_shard(part, reshard_after_forward=plugin_config.reshard_after_forward == "always", **policy)
         _prefetch(blocks, plugin_config.prefetch)
 
 
-def _shard_partly_split(block, mesh, dp_size: int, reshard: bool, policy: dict) -> None:
+def _shard_partly_split(block, mesh, plan, reshard: bool, policy: dict) -> None:
     """Modules another plugin already split over some data-parallel ranks (expert parallel's experts): their
     own FSDP unit over the ranks it left, gradients divided by the whole data-parallel size."""
     for module in block.modules():
@@ -77,7 +77,7 @@ def _shard_partly_split(block, mesh, dp_size: int, reshard: bool, policy: dict) 
         if dims is not None:
             fully_shard(module, reshard_after_forward=reshard,
                         **{**policy, "mesh": mesh.submesh("dp_replicate", tuple(dims))})
-            module.set_gradient_divide_factor(dp_size)
+            module.set_gradient_divide_factor(plan.dp_size)
             # A divide factor reduce-scatters with NCCL's PREMUL_SUM, which gloo lacks: sum, then divide. Not
             # over a single rank, where torch 2.13 would divide twice (it divides when copying the gradient).
             if mesh.device_type == "cpu" and mesh.submesh(tuple(dims)).size() > 1:
