@@ -144,12 +144,12 @@ def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
 
 
 @hookspec(firstresult=True)
-def build_optimizer(model_parts, config, plugin_config):
+def build_optimizer(model_parts, config, plugin_config, plan):
     """Build the optimizer over all parameters of ``model_parts``; the core's default is AdamW."""
 
 
 @hookspec(firstresult=True)
-def build_lr_scheduler(optimizer, config, plugin_config):
+def build_lr_scheduler(optimizer, config, plugin_config, plan):
     """Build the learning-rate scheduler stepped once after every optimizer step.
 
     Returns a ``torch.optim.lr_scheduler.LRScheduler`` (its ``state_dict`` is checkpointed). The core's
@@ -159,7 +159,7 @@ def build_lr_scheduler(optimizer, config, plugin_config):
 
 
 @hookspec(firstresult=True)
-def build_dataloader(config, tokenizer, dp_rank, dp_size, plugin_config):
+def build_dataloader(config, tokenizer, dp_rank, dp_size, plugin_config, plan):
     """Build the training batches for this data-parallel rank.
 
     Returns an iterator of ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows of
@@ -183,7 +183,7 @@ def batch_context(inputs, labels, model_kwargs, model_parts, mesh, config, plugi
 
 
 @hookspec
-def after_optimizer_step(model_parts, optimizer, config, step, plugin_config):
+def after_optimizer_step(model_parts, optimizer, config, step, plugin_config, plan):
     """Event: ``optimizer`` has just updated the weights of ``step``; returns nothing.
 
     For work that must follow every weight update, such as precomputing float8 scales.
@@ -202,7 +202,7 @@ def step_metrics(model_parts, step, config, plugin_config, plan):
 
 
 @hookspec
-def on_step_end(step, metrics, config, plugin_config):
+def on_step_end(step, metrics, config, plugin_config, plan):
     """Event: ``step`` has finished; ``metrics`` is a dict of the values logged for it, on every rank.
 
     ``metrics`` is empty on steps that were not logged. Returns nothing.
@@ -225,7 +225,7 @@ def load_checkpoint(state, config, run_dir, plugin_config, plan):
 
 
 @hookspec(firstresult=True)
-def save_checkpoint(state, step, config, final, plugin_config):
+def save_checkpoint(state, step, config, final, plugin_config, plan):
     """Save ``state`` after ``step``'s optimizer step, if this plugin's policy says so.
 
     Called on every rank after each step but the last with ``final=False``, then once after the loop
@@ -235,5 +235,5 @@ def save_checkpoint(state, step, config, final, plugin_config):
 
 
 @hookspec
-def on_train_end(state, config, plugin_config):
+def on_train_end(state, config, plugin_config, plan):
     """Event: the last step has run and its checkpoint hook returned; returns nothing."""

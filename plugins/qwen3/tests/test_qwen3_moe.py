@@ -49,14 +49,18 @@ def test_published_sizes(name, total, active, rounding):
 def loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Each token through each of its experts, one at a time: slow and obviously right."""
     flat = x.reshape(-1, x.shape[-1])
-    scores = F.linear(flat, moe.gate.weight).softmax(-1)
+    logits = F.linear(flat, moe.gate.weight)
+    scores = logits.softmax(-1) if moe.gate.score_function == "softmax" else logits.sigmoid()
+    bias = moe.gate.expert_bias if moe.gate.expert_bias is not None else torch.zeros(scores.shape[-1])
     out = torch.zeros_like(flat)
     for t in range(len(flat)):
-        weights, chosen = scores[t].topk(moe.gate.top_k)
-        weights = weights / weights.sum()
+        chosen = (scores[t] + bias).topk(moe.gate.top_k).indices  # the bias chooses, the scores weigh
+        weights = scores[t][chosen] / scores[t][chosen].sum()
         for weight, e in zip(weights, chosen):
             gate, up = F.linear(flat[t], moe.experts.gate_up_proj[e]).chunk(2)
             out[t] += weight * F.linear(F.silu(gate) * up, moe.experts.down_proj[e])
+        if moe.shared_experts is not None:
+            out[t] += moe.shared_experts(flat[t])
     return out.reshape(x.shape)
 
 
@@ -70,6 +74,44 @@ def test_routed_experts_equal_a_token_by_token_loop():
     # Skewed routing: most tokens pick the same experts, some experts get none.
     moe.gate.weight.data[:2] += 5
     torch.testing.assert_close(moe(x), loop_reference(moe, x), rtol=1e-5, atol=1e-5)  # a wrong expert or weight moves outputs by ~0.1
+
+
+def test_deepseek_routing_equals_a_token_by_token_loop():
+    """Sigmoid scores, a routing bias that changes the choice but not the weights, one shared expert."""
+    moe = MoE(args(score_function="sigmoid", num_shared_experts=1, router_bias_update_rate=1e-3))
+    torch.manual_seed(0)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    x = torch.randn(3, 7, 64)
+    without_bias = moe(x)
+    torch.testing.assert_close(without_bias, loop_reference(moe, x), rtol=1e-5, atol=1e-5)
+    moe.gate.expert_bias.copy_(torch.tensor([2.0, 0, 0, 0, 0, 0, 0, -2.0]))  # sigmoid scores: 0 always, 7 never
+    moe.tokens_since_update.zero_()
+    with_bias = moe(x)
+    torch.testing.assert_close(with_bias, loop_reference(moe, x), rtol=1e-5, atol=1e-5)
+    assert (with_bias - without_bias).abs().max() > 1e-2
+    assert moe.tokens_since_update[0] == 21 and moe.tokens_since_update[7] == 0
+
+
+def test_routing_bias_moves_toward_even_load_after_each_step(one_rank_group):
+    from titan_core.plan import Plan
+    from titan_qwen3.moe_plugin import after_optimizer_step
+
+    model = Qwen3Moe(args(rope_theta=10000.0, router_bias_update_rate=0.01))
+    init_weights(model, describe(model.args), 3)
+    plan = Plan((), {}, 1, describe(model.args))
+    gate = model.layers["1"].mlp.gate
+    with torch.no_grad():
+        gate.weight[0] += 0.5  # expert 0 favoured
+        for _ in range(2):
+            model(TOKENS)
+    counts = model.layers["1"].mlp.tokens_since_update.clone()
+    after_optimizer_step(model_parts=[model], plan=plan)
+    expected = 0.01 * torch.sign(counts.float().mean() - counts.float())
+    assert torch.equal(gate.expert_bias, expected) and gate.expert_bias[0] < 0 < gate.expert_bias.max()
+    assert model.layers["1"].mlp.tokens_since_update.sum() == 0  # counted afresh for the next step
+    after_optimizer_step(model_parts=[model], plan=plan)  # no token since: every load equals the mean
+    assert torch.equal(gate.expert_bias, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -123,6 +165,10 @@ def test_transformers_reads_the_export_with_equal_logits_and_import_gives_it_bac
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["model.score_function=relu"], "model.score_function: unknown router score 'relu'; fix: use one of softmax, sigmoid"),
+    (["model.router_bias_update_rate=1e-3", "+plugins=[checkpoint]", "plugins.checkpoint.export_hf=true"],
+     "plugins.checkpoint.export_hf: model 'qwen3_moe' does not describe hf, which Hugging Face export needs "
+     "(ModelDescription.hf is None); fix: set plugins.checkpoint.export_hf=false"),
     (["+plugins=[tp]", "plugins.tp.degree=2"],
      "plugins.tp: model 'qwen3_moe' does not describe tensor_parallel, which tensor parallel needs "
      "(ModelDescription.tensor_parallel is None); fix: remove tp from +plugins=[...]"),

@@ -5,6 +5,13 @@ with ``norm_topk_prob`` the chosen scores are renormalized to sum to one. Every 
 every expert it chose (dropless: no capacity, nothing dropped). The tokens are sorted by expert and the
 experts' SwiGLU runs as one grouped matmul over all of them, never a Python loop over experts.
 
+DeepSeek-V3's routing is available as options: ``score_function=sigmoid`` (each expert scored on its own),
+``num_shared_experts`` (a SwiGLU every token goes through besides its chosen experts) and
+``router_bias_update_rate`` (balancing without an auxiliary loss: a per-expert bias, added to the scores
+only to choose the experts, moves after every optimizer step by that rate toward the experts that
+received fewer tokens than the mean; the model plugin's ``after_optimizer_step`` does it over the global
+batch).
+
 Names follow transformers' Qwen3-MoE modules (``mlp.gate.weight`` the router, ``mlp.experts.gate_up_proj``
 (experts, 2 x moe_intermediate_size, hidden) and ``mlp.experts.down_proj`` (experts, hidden,
 moe_intermediate_size)), so a checkpoint is exported and read back by renaming only.
@@ -12,7 +19,7 @@ moe_intermediate_size)), so a checkpoint is exported and read back by renaming o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,14 @@ class Qwen3MoeArgs(Qwen3Args):
     norm_topk_prob: bool = True  # transformers' default is false; the released Qwen3-MoE configs set true
     decoder_sparse_step: int = 1  # every n-th block has experts; the others a dense feed-forward
     mlp_only_layers: tuple[int, ...] = ()
+    score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    num_shared_experts: int = 0  # DeepSeek-V3: 1, of moe_intermediate_size each
+    router_bias_update_rate: float = 0.0  # DeepSeek-V3: 1e-3; 0 leaves the choice to the scores alone
+
+    @property
+    def qwen3_routing(self) -> bool:
+        """Whether transformers' Qwen3-MoE computes the same (no DeepSeek-V3 option in use)."""
+        return (self.score_function, self.num_shared_experts, self.router_bias_update_rate) == ("softmax", 0, 0.0)
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
@@ -37,13 +52,18 @@ class Qwen3MoeArgs(Qwen3Args):
 class TopKRouter(nn.Module):
     def __init__(self, args: Qwen3MoeArgs):
         super().__init__()
-        self.top_k, self.normalize = args.num_experts_per_tok, args.norm_topk_prob
+        self.top_k, self.normalize, self.score_function = args.num_experts_per_tok, args.norm_topk_prob, args.score_function
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+        # Saved with the weights, so that a resumed run keeps the balance it learned.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts) if args.router_bias_update_rate else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, hidden) -> the chosen experts' weights and indices, each (tokens, top_k)."""
-        scores = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
-        weights, experts = scores.topk(self.top_k, dim=-1)
+        logits = F.linear(x, self.weight).float()
+        scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.type_as(x), experts
@@ -99,9 +119,13 @@ class MoE(nn.Module):
         self.num_experts = args.num_experts
         self.gate = TopKRouter(args)
         self.experts = GroupedExperts(args)
-        # Token copies each expert received since the metrics last read it (recomputation counts twice,
-        # which the load ratios logged from it do not see).
+        self.shared_experts = (MLP(replace(args, intermediate_size=args.num_shared_experts * args.moe_intermediate_size))
+                               if args.num_shared_experts else None)
+        # Token copies each expert received since the metrics last read it, and since the routing bias was
+        # last updated (recomputation counts twice, which neither the logged load ratios nor the sign of
+        # each expert's distance to the mean load see).
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("tokens_since_update", torch.zeros(args.num_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -111,9 +135,13 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert += counts
+            self.tokens_since_update += counts
         token = order // experts.shape[1]  # which token each sorted copy belongs to
         out = self.experts(x[token], counts) * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add(0, token, out).reshape(shape)
+        out = torch.zeros_like(x).index_add(0, token, out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)
 
 
 class Qwen3Moe(Qwen3):

@@ -20,6 +20,8 @@ log = logging.getLogger("titan_core")
 FAMILY = "qwen3_moe"
 IDLE_WARNING_STEPS = 100  # an expert that no token chose for this many steps is reported once
 OPTIONS = tuple(f.name for f in dataclasses.fields(Qwen3MoeArgs) if f.name != "seq_len")
+DEEPSEEK_ROUTING = ("score_function", "num_shared_experts", "router_bias_update_rate")  # not in HF's Qwen3-MoE
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
@@ -33,6 +35,12 @@ def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
     if args.decoder_sparse_step < 1:
         raise ConfigError("model.decoder_sparse_step", f"{args.decoder_sparse_step} is not a positive integer",
                           "use 1 for experts in every block, n for every n-th")
+    if args.score_function not in SCORE_FUNCTIONS:
+        raise ConfigError("model.score_function", f"unknown router score '{args.score_function}'",
+                          f"use one of {', '.join(SCORE_FUNCTIONS)}")
+    for field in ("num_shared_experts", "router_bias_update_rate"):
+        if getattr(args, field) < 0:
+            raise ConfigError(f"model.{field}", f"{getattr(args, field)} is negative", "use 0 (off) or more")
     return args
 
 
@@ -47,16 +55,18 @@ def moe_param_init(args: Qwen3MoeArgs):
 
 
 def flops_per_token(args: Qwen3MoeArgs):
-    """Qwen3's, counting the router and the experts a token meets in sparse blocks."""
+    """Qwen3's, counting the router and the experts a token meets in sparse blocks (chosen and shared)."""
     hidden = args.hidden_size
     sparse = sum(args.sparse(i) for i in range(args.num_hidden_layers))
-    experts = sparse * (hidden * args.num_experts + args.num_experts_per_tok * 3 * hidden * args.moe_intermediate_size)
+    met = args.num_experts_per_tok + args.num_shared_experts
+    experts = sparse * (hidden * args.num_experts + met * 3 * hidden * args.moe_intermediate_size)
     dense = (args.num_hidden_layers - sparse) * 3 * hidden * args.intermediate_size
     return qwen3.flops_per_token(args, experts + dense)
 
 
 def hf_config(args: Qwen3MoeArgs) -> dict:
-    return {**qwen3.hf_config(args, OPTIONS, "Qwen3MoeForCausalLM", "qwen3_moe"),
+    options = tuple(name for name in OPTIONS if name not in DEEPSEEK_ROUTING)
+    return {**qwen3.hf_config(args, options, "Qwen3MoeForCausalLM", "qwen3_moe"),
             "mlp_only_layers": list(args.mlp_only_layers)}
 
 
@@ -87,8 +97,9 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         init_buffers=lambda part: init_buffers(part, args),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
         experts=ExpertsLayout(module="mlp.experts", count=args.num_experts),
+        # DeepSeek-V3's routing options compute what transformers' Qwen3-MoE does not: no HF folder claims it.
         hf=HFAdapter(config=hf_config(args), to_hf=qwen3.to_hf, from_hf=qwen3.from_hf, options_from_hf=options_from_hf,
-                     tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
+                     tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}) if args.qwen3_routing else None,
     )
 
 
@@ -103,6 +114,37 @@ def init_buffers(part, args: Qwen3MoeArgs) -> None:
     for module in part.modules():
         if isinstance(module, MoE):
             module.tokens_per_expert.zero_()
+            module.tokens_since_update.zero_()
+            if module.gate.expert_bias is not None:
+                module.gate.expert_bias.zero_()
+
+
+def global_counts(model_parts, plan, buffer: str) -> tuple[dict[int, MoE], torch.Tensor]:
+    """This rank's MoE layers by block index, and (blocks, experts): the token copies each expert of each block
+    received over the whole job, read from every layer's ``buffer``, which is reset. Every rank must call it."""
+    args = plan.model.args
+    layers = {int(name): module for part in model_parts for name, block in plan.model.blocks_of(part).items()
+              for module in block.modules() if isinstance(module, MoE)}
+    counts = torch.zeros(args.num_hidden_layers, args.num_experts, device=next(model_parts[0].buffers()).device)
+    for layer, module in layers.items():
+        counts[layer] = getattr(module, buffer).float()
+        getattr(module, buffer).zero_()
+    # Summed over every rank: data- and context-parallel ranks route different tokens, pipeline stages hold
+    # different blocks, tensor-parallel ranks the same tokens (counted once each).
+    dist.all_reduce(counts)
+    return layers, counts / plan.degree("tp")
+
+
+@hookimpl
+def after_optimizer_step(model_parts, plan):
+    """Qwen3-MoE: with router_bias_update_rate, move each expert's routing bias toward an even load."""
+    rate = plan.model.args.router_bias_update_rate
+    if not rate:
+        return
+    layers, counts = global_counts(model_parts, plan, "tokens_since_update")
+    with torch.no_grad():
+        for layer, module in layers.items():
+            module.gate.expert_bias += rate * torch.sign(counts[layer].mean() - counts[layer])
 
 
 @hookimpl
@@ -110,17 +152,7 @@ def step_metrics(model_parts, step, plan):
     """Qwen3-MoE: how the routers spread the global batch's tokens over the experts since the last log."""
     args = plan.model.args
     sparse = [layer for layer in range(args.num_hidden_layers) if args.sparse(layer)]
-    counts = torch.zeros(args.num_hidden_layers, args.num_experts, device=next(model_parts[0].buffers()).device)
-    for part in model_parts:
-        for name, block in plan.model.blocks_of(part).items():
-            for module in block.modules():
-                if isinstance(module, MoE):
-                    counts[int(name)] = module.tokens_per_expert.float()
-                    module.tokens_per_expert.zero_()
-    # Summed over every rank: data- and context-parallel ranks route different tokens, pipeline stages hold
-    # different blocks, tensor-parallel ranks the same tokens (counted once each).
-    dist.all_reduce(counts)
-    counts = counts[sparse] / plan.degree("tp")
+    counts = global_counts(model_parts, plan, "tokens_per_expert")[1][sparse]
     load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
     _idle_experts.update(counts, sparse, step)
     return {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
