@@ -152,19 +152,20 @@ def _entry_points(group: str, field_prefix: str) -> dict[str, EntryPoint]:
     return found
 
 
-def plugin_options() -> set[str]:
-    """Names of the ``plugins/<name>.yaml`` options that installed distributions ship."""
+def config_options(group: str) -> set[str]:
+    """Names of the ``<group>/<name>.yaml`` options (``plugins``, ``model``) that the core and the installed
+    distributions ship."""
     names = set()
-    for ep in entry_points(group=CONF_GROUP):
-        group = files(ep.value).joinpath("plugins")
-        if group.is_dir():
-            names |= {f.name[:-5] for f in group.iterdir() if f.name.endswith(".yaml")}
+    for package in ("titan_core.conf", *(ep.value for ep in entry_points(group=CONF_GROUP))):
+        folder = files(package).joinpath(group)
+        if folder.is_dir():
+            names |= {f.name[:-5] for f in folder.iterdir() if f.name.endswith(".yaml")}
     return names
 
 
 def check_plugin_names(names) -> None:
     """Fail on a requested plugin that is not installed, before Hydra tries to compose it."""
-    installed, options = installed_plugins(), plugin_options()
+    installed, options = installed_plugins(), config_options("plugins")
     for name in names:
         if name not in installed:
             known = ", ".join(sorted(installed)) or "none"

@@ -7,6 +7,7 @@ each rank under torchrun), or in ``world_size`` local workers started with torch
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import uuid
@@ -23,7 +24,7 @@ from titan_core.data import check_documents, load_tokenizer
 from titan_core.defaults import ADAMW_IMPLEMENTATIONS
 from titan_core.description import CORE_ATTENTION
 from titan_core.errors import ConfigError
-from titan_core.plan import Plan, build_plan, check_plugin_names, plugin_manager
+from titan_core.plan import Plan, build_plan, check_plugin_names, config_options, plugin_manager
 from titan_core.searchpath import PluginConfigSearchPath
 
 EXIT_BAD_INPUT = 2
@@ -43,8 +44,44 @@ def default_run_dir() -> str:
     return datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The core's numeric options: the field, whether a value is acceptable, and what is. Checked before launch.
+NUMBERS = (
+    ("training.max_norm", lambda v: v is None or _number(v) and v > 0, "a positive number, or null for no clipping"),
+    ("training.seed", lambda v: _count(v) and v >= 0, "an integer >= 0"),
+    ("optimizer.lr", lambda v: _number(v) and v > 0, "a positive number"),
+    ("optimizer.betas", lambda v: isinstance(v, list) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+     "two numbers in [0, 1), such as [0.9, 0.95]"),
+    ("optimizer.eps", lambda v: _number(v) and v > 0, "a positive number"),
+    ("optimizer.weight_decay", lambda v: _number(v) and v >= 0, "a number >= 0"),
+    ("lr_scheduler.warmup_steps", lambda v: _count(v) and v >= 0, "an integer >= 0"),
+    ("lr_scheduler.min_lr_ratio", lambda v: _number(v) and 0 <= v <= 1, "a number from 0 to 1"),
+    ("metrics.log_every", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("metrics.peak_tflops", lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
+    ("launch.world_size", lambda v: v is None or _count(v) and v >= 1, "a positive integer, or null"),
+    ("launch.max_restarts", lambda v: _count(v) and v >= 0, "an integer >= 0"),
+    ("launch.cpu_threads_per_worker", lambda v: _count(v) and v >= 1, "a positive integer"),
+)
+
+
+def check_numbers(config) -> None:
+    for field, acceptable, what in NUMBERS:
+        value = OmegaConf.select(config, field)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if not acceptable(value):
+            raise ConfigError(field, f"{value!r} is not {what}", f"set {field} to {what}")
+
+
 def check_job(config, plan: Plan) -> None:
     """The core's own checks of the job; the plugins' ran in build_plan."""
+    check_numbers(config)
     training = config.training
     if not isinstance(training.steps, int) or training.steps < 0:
         raise ConfigError("training.steps", f"{training.steps!r} is not an integer >= 0",
@@ -150,26 +187,57 @@ def launch_local_workers(config_path: Path, run_dir: Path, world_size: int, max_
         sys.exit(1)
 
 
-def requested_plugins(argv: list[str]) -> list[str]:
-    """Plugin names in ``plugins=`` overrides of the command line, sweeps included."""
+def _overrides(argv: list[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+        return OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
     except Exception:
         return []  # Hydra reports malformed overrides itself
 
-    def names(value):
-        if isinstance(value, str):
-            return [value]
-        items = value if isinstance(value, list) else getattr(value, "list", [])
-        return [n for item in items for n in names(item)]
-    return [n for o in overrides if o.key_or_group == "plugins" for n in names(o.value())]
+
+def _names(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    items = value if isinstance(value, list) else getattr(value, "list", [])
+    return [n for item in items for n in _names(item)]
+
+
+def requested_plugins(argv: list[str]) -> list[str]:
+    """Plugin names in ``plugins=`` overrides of the command line, sweeps included."""
+    return [n for o in _overrides(argv) if o.key_or_group == "plugins" for n in _names(o.value())]
+
+
+# Flags that bring a config of the user's own, which may enable plugins or add presets the command line does not show.
+OWN_CONFIG_FLAGS = ("--config-name", "-cn", "--config-dir", "-cd", "--config-path", "-cp")
+
+
+def check_command_line(argv: list[str]) -> None:
+    """What Hydra would refuse with a multi-line dump, refused in one line before it composes anything: an
+    option of a plugin that is not enabled, a model preset that does not exist, a plugin not installed."""
+    plugins = requested_plugins(argv)
+    check_plugin_names(plugins)
+    if any(arg.split("=")[0] in OWN_CONFIG_FLAGS for arg in argv):
+        return
+    for override in _overrides(argv):
+        key = override.key_or_group
+        changes = not (override.is_add() or override.is_force_add() or override.is_delete())
+        if key.startswith("plugins.") and changes and key.split(".")[1] not in plugins:
+            name = key.split(".")[1]
+            raise ConfigError(f"plugins.{name}", "is set but the plugin is not enabled",
+                              f"enable it with +plugins=[{name}] (or remove the override)")
+        if key == "model" and changes:
+            presets = config_options("model")
+            for preset in _names(override.value()):
+                if preset not in presets:
+                    raise ConfigError("model", f"no model preset is named '{preset}' (presets: "
+                                      f"{', '.join(sorted(presets))})", "pick one of them, or install the model "
+                                      "plugin that ships it")
 
 
 def main() -> None:
     try:
-        check_plugin_names(requested_plugins(sys.argv[1:]))
+        check_command_line(sys.argv[1:])
     except ConfigError as error:
         print(f"titan-core: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
