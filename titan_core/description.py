@@ -104,7 +104,11 @@ class HFAdapter:
     canonical parameter name to the file's tensor name; ``from_hf`` maps back (None for tensors the
     model does not hold). ``tied`` maps a parameter to the one it is copied from when the file lacks it
     (tied word embeddings). ``options_from_hf`` turns a config.json into this model's options
-    (``model.*`` fields), for converting a downloaded model into a titan-core preset.
+    (``model.*`` fields), for converting a downloaded model into a titan-core preset. ``pieces`` reads
+    folders that store a stacked parameter as many tensors (released mixture-of-experts checkpoints keep
+    each expert's projections apart): for a canonical name, the file tensors of each index of its first
+    dimension, concatenated along their own first dimension, or None when it is stored whole; ``from_hf``
+    returns None for those pieces.
     """
 
     config: Mapping[str, Any]
@@ -112,6 +116,7 @@ class HFAdapter:
     from_hf: Callable[[str], str | None]
     options_from_hf: Callable[[Mapping[str, Any]], dict]
     tied: Mapping[str, str] = field(default_factory=dict)
+    pieces: Callable[[str], list[list[str]] | None] = lambda name: None
 
 
 @dataclass(frozen=True)

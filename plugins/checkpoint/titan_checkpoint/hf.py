@@ -85,6 +85,12 @@ def source_name(name: str, adapter: HFAdapter, files: dict[str, Path]) -> str | 
     return None
 
 
+def stored_in_pieces(name: str, adapter: HFAdapter, files: dict[str, Path]) -> list[list[str]] | None:
+    """The file tensors making each slice of a stacked parameter, when the folder stores it that way."""
+    grid = adapter.pieces(name)
+    return grid if grid and all(piece in files for row in grid for piece in row) else None
+
+
 def hf_shapes(folder: Path, adapter: HFAdapter, names) -> dict[str, tuple]:
     """Shapes by checkpoint key (``model.<name>``) of the file tensors ``names`` would read (headers only),
     plus the file's tensors that no name reads."""
@@ -100,6 +106,10 @@ def hf_shapes(folder: Path, adapter: HFAdapter, names) -> dict[str, tuple]:
             if hf_name is not None:
                 shapes[f"model.{name}"] = shape(hf_name)
                 read.add(hf_name)
+            elif (grid := stored_in_pieces(name, adapter, files)) is not None:
+                first = [shape(piece) for piece in grid[0]]
+                shapes[f"model.{name}"] = (len(grid), sum(s[0] for s in first), *first[0][1:])
+                read.update(piece for row in grid for piece in row)
         for hf_name in files.keys() - read:
             name = adapter.from_hf(hf_name)
             if name is not None and name not in adapter.tied.values():
@@ -122,9 +132,31 @@ def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter) -> int:
                 hf_name = source_name(canonical_name(name), adapter, files)
                 local, offset = local_box(param)
                 box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+                if hf_name is None:  # stored in pieces: the file shapes were checked before
+                    grid = stored_in_pieces(canonical_name(name), adapter, files)
+                    read += _load_pieces(local, box, grid, lambda piece: handles[files[piece]].get_slice(piece))
+                    continue
                 values = handles[files[hf_name]].get_slice(hf_name)[box]
                 local.copy_(values.to(local.dtype))
                 read += values.nbytes
+    return read
+
+
+def _load_pieces(local: torch.Tensor, box: tuple[slice, ...], grid: list[list[str]], open_slice) -> int:
+    """Fill ``local`` (the ``box`` of a stacked parameter) from the pieces of each slice it holds; returns the
+    bytes read. A piece is read only where it overlaps the box."""
+    read = 0
+    for row, index in enumerate(range(box[0].start, box[0].stop)):
+        start = 0  # where the current piece begins along the slice's first dimension
+        for piece in grid[index]:
+            stored = open_slice(piece)
+            length = stored.get_shape()[0]
+            lo, hi = max(start, box[1].start), min(start + length, box[1].stop)
+            if lo < hi:
+                values = stored[(slice(lo - start, hi - start), *box[2:])]
+                local[row, lo - box[1].start:hi - box[1].start].copy_(values.to(local.dtype))
+                read += values.nbytes
+            start += length
     return read
 
 

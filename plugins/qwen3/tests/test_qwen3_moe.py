@@ -2,6 +2,7 @@
 export with equal logits and import gives the model back, the conformance kit, and tp refused."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,69 @@ def test_transformers_reads_the_export_with_equal_logits_and_import_gives_it_bac
     rebuilt.load_state_dict(weights)
     with torch.no_grad():
         assert torch.equal(rebuilt(TOKENS), expected)
+
+
+def per_expert_folder(model, folder: Path) -> Path:
+    """The model as released checkpoints store it: each expert's gate, up and down projections apart."""
+    from safetensors.torch import save_file
+
+    adapter = describe(model.args).hf
+    export_hf(model.state_dict(), adapter, folder)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        block, _, projection = name.rpartition(".mlp.experts.")
+        if projection == "gate_up_proj":
+            for e in range(len(tensor)):
+                gate, up = tensor[e].chunk(2)
+                tensors |= {f"model.{block}.mlp.experts.{e}.gate_proj.weight": gate.clone(),
+                            f"model.{block}.mlp.experts.{e}.up_proj.weight": up.clone()}
+        elif projection == "down_proj":
+            tensors |= {f"model.{block}.mlp.experts.{e}.down_proj.weight": tensor[e].clone() for e in range(len(tensor))}
+        else:
+            tensors[adapter.to_hf(name)] = tensor
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def test_a_checkpoint_storing_experts_apart_loads_into_the_stacked_experts(tmp_path):
+    from titan_checkpoint.hf import _load_pieces, hf_shapes, load_hf_slices, tensor_files
+
+    model = tiny_moe()
+    folder = per_expert_folder(model, tmp_path)
+    adapter = describe(model.args).hf
+    names = list(model.state_dict())
+    assert hf_shapes(folder, adapter, names) == {f"model.{n}": tuple(t.shape) for n, t in model.state_dict().items()}
+    loaded = Qwen3Moe(model.args)
+    for param in loaded.parameters():
+        param.data.zero_()
+    load_hf_slices([loaded], folder, adapter)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    # A shard's box: experts 2-4, rows 10-39 (across the gate/up boundary at 32), every column.
+    from safetensors import safe_open
+
+    with safe_open(tensor_files(folder)["model.layers.1.mlp.experts.0.gate_proj.weight"], "pt") as f:
+        box = (slice(2, 5), slice(10, 40), slice(0, 64))
+        local = torch.zeros(3, 30, 64)
+        read = _load_pieces(local, box, adapter.pieces("layers.1.mlp.experts.gate_up_proj"), f.get_slice)
+    assert torch.equal(local, model.layers["1"].mlp.experts.gate_up_proj[box]) and read == local.numel() * 4
+
+
+@pytest.mark.slow
+def test_a_per_expert_checkpoint_loads_into_an_expert_parallel_job(tmp_path):
+    model = tiny_moe()
+    folder = per_expert_folder(model, tmp_path / "hf")
+    result = run_job([*TINY, "model=qwen3_moe_tiny", "model.rope_theta=10000.0", "model.vocab_size=300", "training.steps=0",
+                      "+plugins=[fsdp,ep,checkpoint]", "plugins.fsdp.degree=2", "plugins.ep.degree=2",
+                      f"plugins.checkpoint.load_path={folder}"], tmp_path / "run")
+    weights = result.final_weights()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(weights[name], tensor), name
+    total = sum(t.nbytes for t in model.state_dict().values())
+    for rank in (0, 1):  # each rank read its own experts' and shards' slices of the pieces, about half
+        read = int(re.search(r"read (\d+) bytes", (result.run_dir / "logs" / f"rank{rank}.log").read_text()).group(1))
+        assert total * 0.4 < read < total * 0.6, (read, total)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,26 @@ def hf_config(args: Qwen3MoeArgs) -> dict:
             "mlp_only_layers": list(args.mlp_only_layers)}
 
 
+# Released checkpoints (and transformers before 5) store each expert's projections apart:
+# model.layers.L.mlp.experts.E.gate_proj.weight (moe_intermediate x hidden), up_proj, down_proj.
+EXPERT_PIECES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
+def expert_pieces(args: Qwen3MoeArgs):
+    def pieces(name: str) -> list[list[str]] | None:
+        block, _, projection = name.rpartition(".mlp.experts.")
+        if not block or projection not in EXPERT_PIECES:
+            return None
+        return [[f"model.{block}.mlp.experts.{e}.{part}.weight" for part in EXPERT_PIECES[projection]]
+                for e in range(args.num_experts)]
+    return pieces
+
+
+def from_hf(name: str) -> str | None:
+    return None if PER_EXPERT.search(name) else qwen3.from_hf(name)
+
+
 def options_from_hf(config: dict) -> dict:
     """``model.*`` options reproducing a Hugging Face Qwen3-MoE config (older files say num_local_experts)."""
     options = qwen3.options_from_hf(config, OPTIONS, FAMILY)
@@ -98,8 +119,9 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
         experts=ExpertsLayout(module="mlp.experts", count=args.num_experts),
         # DeepSeek-V3's routing options compute what transformers' Qwen3-MoE does not: no HF folder claims it.
-        hf=HFAdapter(config=hf_config(args), to_hf=qwen3.to_hf, from_hf=qwen3.from_hf, options_from_hf=options_from_hf,
-                     tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}) if args.qwen3_routing else None,
+        hf=HFAdapter(config=hf_config(args), to_hf=qwen3.to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
+                     tied={"lm_head.weight": "embed_tokens.weight"} if untied else {},
+                     pieces=expert_pieces(args)) if args.qwen3_routing else None,
     )
 
 
