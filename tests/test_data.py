@@ -89,3 +89,17 @@ def test_resume_continues_the_stream_across_epochs_and_degrees():
         r.load_state_dict(state)
     for inputs, _ in expected[12:]:
         torch.testing.assert_close(torch.cat([next(r)[0] for r in resumed]), inputs)
+
+
+def test_an_unreachable_hub_dataset_is_one_line_before_launch(monkeypatch):
+    """Offline (as in CI), or a wrong name: the Hub client's error becomes one line naming data.path."""
+    from titan_core.data import check_documents
+    from titan_core.errors import ConfigError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError) as error:
+        check_documents(data_config(source="hub", path="nosuch/dataset"))
+    message = str(error.value)
+    assert message.startswith("data.path: the Hub dataset 'nosuch/dataset' cannot be opened (") and \
+        "data.source=local" in message, message

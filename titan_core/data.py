@@ -112,15 +112,21 @@ def document_opener(config) -> Callable[[], Iterable[str]]:
 
 def check_documents(config) -> None:
     """Fail before launch when the configured data has no document with text in ``data.text_field``."""
-    if config.source in ("hub", "builtin"):
-        # A hub dataset needs the network (the workers report what they find); the built-in corpus is
-        # shipped non-empty, and opening it here would cost every launch the import of `datasets`.
+    if config.source == "builtin":
+        # Shipped non-empty; opening it here would cost every launch the import of `datasets`.
         return
     try:
         first = next((text for text in document_opener(config)() if text), None)
     except KeyError:
         raise ConfigError("data.text_field", f"the documents have no field '{config.text_field}'",
                           "set data.text_field to the column that holds the text") from None
+    except Exception as error:  # noqa: BLE001 - whatever the Hub client raises, the user gets one line
+        if config.source != "hub":
+            raise
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise ConfigError("data.path", f"the Hub dataset '{config.path}' cannot be opened ({reason})",
+                          "check its name and the network (HF_DATASETS_OFFLINE unset), or download it and "
+                          "use data.source=local with data.path=<its folder>") from None
     if first is None:
         raise ConfigError("data.path", f"{config.path} holds no non-empty document",
                           "point data.path at files with text, or use data.source=builtin")
