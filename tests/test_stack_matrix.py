@@ -11,10 +11,11 @@ spec = importlib.util.spec_from_file_location("stack_matrix", Path(__file__).res
 matrix = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(matrix)
 ROWS = matrix.stacks()
-# The CI subset: the stacks of at most 4 ranks (the 8-rank ones run in the bench), but for those compiling a
+# The CI subset: the stacks of at most 4 ranks (the 8-rank ones run in the bench) with some plugin (a bare
+# model is the reference run itself), but for those compiling a
 # pipeline, which pay compile once per stage and schedule (70-90 s each); compile x pp stays in CI through
 # tests/test_stacks.py and the compile plugin's tests.
-SMALL = [row for row in ROWS if matrix.world(row) <= 4
+SMALL = [row for row in ROWS if matrix.world(row) <= 4 and any(plugins for _, _, plugins in row[1:])
          and not {"compile", "pp"} <= {label.split("-")[0] for label, _, _ in row}]
 
 
