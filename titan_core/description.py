@@ -175,6 +175,15 @@ class ModelDescription:
             raise RuntimeError(f"model {self.family} describes no blocks")
         return attribute(part, self.blocks)
 
+    def experts_of(self, block: nn.Module) -> nn.Module | None:
+        """The experts module of one block; None for a dense block or a model without experts."""
+        if self.experts is None:
+            return None
+        try:
+            return block.get_submodule(self.experts.module)
+        except AttributeError:
+            return None
+
 
 def attribute(root: nn.Module, path: str):
     """The module, parameter or buffer at dotted ``path`` under ``root``; None where a stage dropped it."""

@@ -74,20 +74,10 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
             if tensor_parallel:
                 for region in tp_regions(block, plan.model.tensor_parallel.block_regions):
                     region.forward = torch.compile(region.forward, **options)
-            elif plan.provides(EXPERT_PARALLEL) and _has_experts(block, plan.model):
+            elif plan.provides(EXPERT_PARALLEL) and plan.model.experts_of(block) is not None:
                 block.compile(**{**options, "fullgraph": False})
             else:
                 block.compile(**options)
-
-
-def _has_experts(block: nn.Module, description) -> bool:
-    if description.experts is None:
-        return False
-    try:
-        block.get_submodule(description.experts.module)
-    except AttributeError:
-        return False
-    return True
 
 
 @hookimpl

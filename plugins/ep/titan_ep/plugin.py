@@ -58,8 +58,8 @@ def apply_parallelism(model_parts, mesh, plan):
     sharded = []
     for part in model_parts:
         for block in plan.model.blocks_of(part).values():
-            with contextlib.suppress(AttributeError):  # dense blocks have no experts
-                experts = block.get_submodule(plan.model.experts.module)
+            experts = plan.model.experts_of(block)
+            if experts is not None:  # dense blocks have none
                 shard_by_expert(experts, ep_mesh)
                 replicate_only_over(experts, ("ep_rest",))
                 sharded.append(experts)
