@@ -90,10 +90,20 @@ class ExpertsLayout:
     index as its first dimension and no expert's output depends on another's tokens. Expert parallel
     leaves each rank a contiguous slice of the experts (the module then sees its parameters' slice and
     counts of the same length) and moves the tokens to them and back.
+
+    The module's parent (``layer``, ``mlp``) is the whole mixture-of-experts sub-layer: entered from the
+    residual stream (its first argument, (batch, seq, hidden)), it routes, runs the experts and any
+    shared expert, and computes every token independently of the others. Tensor parallel relies on that:
+    it gives each of its ranks a share of the layer's tokens instead of a share of its weights.
     """
 
     module: str
     count: int
+
+    @property
+    def layer(self) -> str:
+        """The path, inside one block, of the mixture-of-experts sub-layer holding the experts."""
+        return self.module.rpartition(".")[0]
 
 
 @dataclass(frozen=True)

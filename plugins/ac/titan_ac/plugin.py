@@ -24,8 +24,12 @@ MODES = ("full", "selective_op", "selective_layer")
 # Profiler ranges are markers, not results. FSDP opens them in its hooks, which run a different number of
 # times in forward and in recomputation when an FSDP unit sits inside a checkpointed block (expert
 # parallel's experts): counted as ops, they failed backward with "invocation index ... not found".
+# Waits on functional collectives are lazy (on a result's first use), so a compiled region and its
+# recomputation need not wait the same number of times (tp x ep x compile failed the same way); the
+# collective itself stays counted and is saved or rerun like any op.
 SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                        torch.ops.profiler._record_function_exit._RecordFunction})
+                        torch.ops.profiler._record_function_exit._RecordFunction,
+                        torch.ops._c10d_functional.wait_tensor.default})
 
 
 @hookimpl

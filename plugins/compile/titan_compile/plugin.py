@@ -71,13 +71,13 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
     tensor_parallel = "tp" in mesh.shape
     for part in model_parts:
         for block in plan.model.blocks_of(part).values():
+            graph_breaks = plan.provides(EXPERT_PARALLEL) and plan.model.experts_of(block) is not None
+            block_options = {**options, "fullgraph": False} if graph_breaks else options
             if tensor_parallel:
                 for region in tp_regions(block, plan.model.tensor_parallel.block_regions):
-                    region.forward = torch.compile(region.forward, **options)
-            elif plan.provides(EXPERT_PARALLEL) and plan.model.experts_of(block) is not None:
-                block.compile(**{**options, "fullgraph": False})
+                    region.forward = torch.compile(region.forward, **block_options)
             else:
-                block.compile(**options)
+                block.compile(**block_options)
 
 
 @hookimpl

@@ -48,7 +48,13 @@ def _assert_trains_like(result, reference, pipelined=False):
     # move a routing bias differently from one process (docs/plugins/ep.md).
     (MOE, ("+plugins=[fsdp,ep,pp,ac]", "plugins.fsdp.degree=2", "plugins.ep.degree=2", "plugins.pp.degree=2",
            "plugins.ac.mode=selective_op")),
-], ids=["ep2-compile-deepseek-routing", "pp2-ep2-ac"])
+    # ep borrows tp's ranks: each tp rank routes its share of the sequence and sends it to the experts.
+    # Compiled (the experts' layer one region with graph breaks) and with selective AC replaying its all-to-all.
+    (MOE, ("+plugins=[fsdp,tp,ep,compile,ac]", "plugins.fsdp.degree=1", "plugins.tp.degree=2", "plugins.ep.degree=2",
+           "plugins.tp.sequence_parallel=true", "plugins.ac.mode=selective_op")),
+    # The experts' gradients are divided like the dense ones', by every rank averaging its loss (cp's too).
+    (MOE, ("+plugins=[fsdp,cp,ep]", "plugins.fsdp.degree=1", "plugins.cp.degree=2", "plugins.ep.degree=2")),
+], ids=["ep2-compile-deepseek-routing", "pp2-ep2-ac", "tp2-sp-ep2", "cp2-ep2"])
 def test_expert_parallel_trains_like_one_process(model, stack, titan_reference, tmp_path):
     result = run_job([*TINY, *model, *stack], tmp_path / "run")
     assert "ep 2 within dp_shard" in result.stdout
@@ -87,7 +93,7 @@ def test_saved_under_ep_resumes_without_it_and_exports_to_hugging_face(titan_ref
     (("model=qwen3_moe_tiny", "+plugins=[fsdp,ep]", "plugins.fsdp.degree=3", "plugins.ep.degree=3"),
      "plugins.ep.degree: 3 does not divide the model's 8 experts"),
     (("model=qwen3_moe_tiny", "+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=4"),
-     "plugins.ep.degree: ep degree 4 does not divide the 2 rank(s) of dp_shard x cp it borrows"),
+     "plugins.ep.degree: ep degree 4 does not divide the 2 rank(s) of dp_shard x cp x tp it borrows"),
 ])
 def test_refused_before_launch(overrides, message, tmp_path):
     line = error_line(run_job([*TINY, *overrides], tmp_path / "run", expect_success=False))

@@ -1,7 +1,9 @@
 """Expert parallel: every mixture-of-experts block's experts split over the ``ep`` ranks.
 
-``ep`` borrows its ranks from the data- and context-parallel ones (dp_shard x cp), so the world is not
-multiplied; the borrowed ranks it leaves, ``ep_rest``, shard the experts' FSDP. Rank r of ``ep`` keeps
+``ep`` borrows its ranks from the data-, context- and tensor-parallel ones (dp_shard x cp x tp, tp's
+first: the nearest ranks), so the world is not multiplied; every one of them routes tokens of its own
+(tensor parallel splits a mixture-of-experts layer's tokens). The borrowed ranks it leaves, ``ep_rest``,
+shard the experts' FSDP. Rank r of ``ep`` keeps
 experts [r E/ep, (r+1) E/ep) of each block, as DTensors sharded by expert over ``ep`` (a checkpoint saved
 here loads under any other plan). The model routes its own tokens and calls its experts module with the
 token copies sorted by expert (``ModelDescription.experts``); under expert parallel that call exchanges
@@ -35,7 +37,7 @@ STAGE = 350  # after TP and CP rewrote the dense parts, before AC replays and co
 @hookimpl
 def declare(plugin_config):
     return Declaration(stage=STAGE, mesh={"ep": plugin_config.degree},
-                       dimensions={"ep": MeshDimension(borrows=("dp_shard", "cp"))},
+                       dimensions={"ep": MeshDimension(borrows=("dp_shard", "cp", "tp"))},
                        provides=frozenset({EXPERT_PARALLEL}), requires=frozenset({PARTIAL_DATA_PARALLEL}))
 
 

@@ -62,22 +62,25 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
         blocks = list(plan.model.blocks_of(part).values())
         for i, block in enumerate(blocks):
             reshard = _reshard(plugin_config, last=i == len(blocks) - 1, pipelined=pipelined)
-            _shard_partly_split(block, mesh, plan, reshard, policy)
+            _shard_partly_split(block, mesh, reshard, policy)
             fully_shard(block, reshard_after_forward=reshard, **policy)
         # The root's parameters are needed again right away by backward: keep them gathered.
         fully_shard(part, reshard_after_forward=plugin_config.reshard_after_forward == "always", **policy)
         _prefetch(blocks, plugin_config.prefetch)
 
 
-def _shard_partly_split(block, mesh, plan, reshard: bool, policy: dict) -> None:
-    """Modules another plugin already split over some data-parallel ranks (expert parallel's experts): their
-    own FSDP unit over the ranks it left, gradients divided by the whole data-parallel size."""
-    for module in block.modules():
+def _shard_partly_split(block, mesh, reshard: bool, policy: dict) -> None:
+    """Modules another plugin already split over some ranks (expert parallel's experts, tensor parallel's
+    mixture-of-experts layers): their own FSDP unit over the ranks they are replicated on, innermost first,
+    gradients summed there and divided like the dense ones'."""
+    # Each data-parallel and context-parallel rank averages its loss over its own tokens.
+    divisor = policy["mesh"].size()
+    for module in reversed(list(block.modules())):
         dims = replicated_over(module)
         if dims is not None:
             fully_shard(module, reshard_after_forward=reshard,
                         **{**policy, "mesh": mesh.submesh("dp_replicate", tuple(dims))})
-            module.set_gradient_divide_factor(plan.dp_size)
+            module.set_gradient_divide_factor(divisor)
             # A divide factor reduce-scatters with NCCL's PREMUL_SUM, which gloo lacks: sum, then divide. Not
             # over a single rank, where torch 2.13 would divide twice (it divides when copying the gradient).
             if mesh.device_type == "cpu" and mesh.submesh(tuple(dims)).size() > 1:

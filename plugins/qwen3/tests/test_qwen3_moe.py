@@ -1,5 +1,6 @@
 """Qwen3-MoE: published sizes, the routed experts against a token-by-token loop, transformers reads our
-export with equal logits and import gives the model back, the conformance kit, and tp refused."""
+export with equal logits and import gives the model back, the conformance kit, tp splitting the experts'
+layers' tokens, and the one-line refusals."""
 
 import json
 import re
@@ -12,7 +13,7 @@ from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf
 from titan_core.init import init_weights
-from titan_core.testing import TINY, error_line, model_conformance, run_job
+from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, error_line, model_conformance, run_job
 from titan_qwen3.moe import MoE, Qwen3Moe
 from titan_qwen3.moe_plugin import describe, qwen3_moe_args
 
@@ -228,14 +229,33 @@ def test_a_per_expert_checkpoint_loads_into_an_expert_parallel_job(tmp_path):
         assert total * 0.4 < read < total * 0.6, (read, total)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_splits_the_tokens_of_the_experts_layers(titan_reference, tmp_path):
+    # tp 2 without sequence parallel, compiled: each rank takes half of the replicated stream into a sparse
+    # block's mlp and the halves are gathered back; the router's and experts' gradients, different on each
+    # rank, are summed over tp by FSDP. Computing all tokens on both ranks would double them (grad norm).
+    result = run_job([*TINY, "model=qwen3_moe_tiny", "+plugins=[fsdp,tp,compile]", "plugins.fsdp.degree=1",
+                      "plugins.tp.degree=2", "plugins.tp.loss_parallel=false"], tmp_path / "run")
+    reference = titan_reference(("model=qwen3_moe_tiny",))
+    report = compare(result, reference)
+    assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+    for ours, theirs in zip(result.metrics, reference.metrics, strict=True):
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (ours, theirs)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.score_function=relu"], "model.score_function: unknown router score 'relu'; fix: use one of softmax, sigmoid"),
     (["model.router_bias_update_rate=1e-3", "+plugins=[checkpoint]", "plugins.checkpoint.export_hf=true"],
      "plugins.checkpoint.export_hf: model 'qwen3_moe' does not describe hf, which Hugging Face export needs "
      "(ModelDescription.hf is None); fix: set plugins.checkpoint.export_hf=false"),
     (["+plugins=[tp]", "plugins.tp.degree=2"],
-     "plugins.tp: model 'qwen3_moe' does not describe tensor_parallel, which tensor parallel needs "
-     "(ModelDescription.tensor_parallel is None); fix: remove tp from +plugins=[...]"),
+     "plugins.tp: on a mixture-of-experts model each tp rank trains the experts' layer on its own tokens, whose "
+     "gradients a data-parallel sharder with partial_data_parallel must sum; fix: add fsdp to +plugins=[...] "
+     "(plugins.fsdp.degree=1 if the ranks are all for tp)"),
+    (["+plugins=[fsdp,tp]", "plugins.tp.degree=2", "plugins.fsdp.degree=1", "plugins.tp.sequence_parallel=false",
+      "training.seq_len=31"],
+     "training.seq_len: a mixture-of-experts layer splits 31 tokens per context-parallel rank over tp degree 2; "
+     "fix: use a seq_len divisible by 2"),
     (["model.num_experts_per_tok=9"], "model.num_experts_per_tok: 9 experts per token out of 8; fix: choose 1 to 8"),
 ])
 def test_refused_before_launch(tmp_path, overrides, message):

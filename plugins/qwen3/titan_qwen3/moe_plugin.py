@@ -113,7 +113,8 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         param_init=moe_param_init(args), flops_per_token=flops_per_token(args),
         blocks="layers",
         inputs=("embed_tokens",) if untied else None, outputs=("norm", "lm_head") if untied else None,
-        # No tensor-parallel layout yet: the experts would need a replicated (or expert-parallel) plan.
+        # Qwen3's (dense blocks); tensor parallel splits the tokens of the sparse blocks' mlp.
+        tensor_parallel=qwen3.tensor_parallel_layout(args) if untied else None,
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: init_buffers(part, args),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
@@ -151,10 +152,10 @@ def global_counts(model_parts, plan, buffer: str) -> tuple[dict[int, MoE], torch
     for layer, module in layers.items():
         counts[layer] = getattr(module, buffer).float()
         getattr(module, buffer).zero_()
-    # Summed over every rank: data- and context-parallel ranks route different tokens, pipeline stages hold
-    # different blocks, tensor-parallel ranks the same tokens (counted once each).
+    # Summed over every rank: data-, context- and tensor-parallel ranks route different tokens (tp splits a
+    # mixture-of-experts layer's tokens), pipeline stages hold different blocks.
     dist.all_reduce(counts)
-    return layers, counts / plan.degree("tp")
+    return layers, counts
 
 
 @hookimpl

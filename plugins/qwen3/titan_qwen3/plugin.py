@@ -80,6 +80,16 @@ def describe_model(model_config, vocab_size, seq_len):
     return describe(qwen3_args(model_config, vocab_size, seq_len))
 
 
+def tensor_parallel_layout(args: Qwen3Args) -> TensorParallelLayout:
+    return TensorParallelLayout(
+        block_colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+        block_rowwise=("self_attn.o_proj", "mlp.down_proj"), head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+        block_norms=("input_layernorm", "post_attention_layernorm"), block_regions=("self_attn", "mlp"),
+        embeddings=("embed_tokens",), final_norms=("norm",), output="lm_head",
+        divisible={"model.num_attention_heads": args.num_attention_heads,
+                   "model.num_key_value_heads": args.num_key_value_heads})
+
+
 def describe(args: Qwen3Args) -> ModelDescription:
     untied = not args.tie_word_embeddings  # a tied output layer is the embedding: no split point, no TP layout
     return ModelDescription(
@@ -87,13 +97,7 @@ def describe(args: Qwen3Args) -> ModelDescription:
         param_init=param_init(args), flops_per_token=flops_per_token(args),
         blocks="layers",
         inputs=("embed_tokens",) if untied else None, outputs=("norm", "lm_head") if untied else None,
-        tensor_parallel=TensorParallelLayout(
-            block_colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-            block_rowwise=("self_attn.o_proj", "mlp.down_proj"), head_norms=("self_attn.q_norm", "self_attn.k_norm"),
-            block_norms=("input_layernorm", "post_attention_layernorm"), block_regions=("self_attn", "mlp"),
-            embeddings=("embed_tokens",), final_norms=("norm",), output="lm_head",
-            divisible={"model.num_attention_heads": args.num_attention_heads,
-                       "model.num_key_value_heads": args.num_key_value_heads}) if untied else None,
+        tensor_parallel=tensor_parallel_layout(args) if untied else None,
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: part.rope.copy_(rope_table(args)),
         float8_skip=("lm_head",), logits="lm_head" if untied else None,

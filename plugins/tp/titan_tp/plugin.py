@@ -8,6 +8,14 @@ layer by vocabulary columns. With sequence parallel the residual stream and the 
 split along the sequence instead of replicated, turning each all-reduce into a reduce-scatter plus an
 all-gather and dividing the norms' activation memory by the degree. With loss parallel the logits stay
 split by vocabulary and cross entropy reduces across ranks, never materializing the whole vocabulary.
+
+A mixture-of-experts layer (``ModelDescription.experts``) computes each token on its own, so its tokens
+are split instead of its weights: each rank routes and computes its share of the sequence (already its
+own under sequence parallel; otherwise taken from the replicated stream and gathered back after), with
+the router, experts and shared experts whole on every rank. Their gradients then differ per rank: the
+layer is marked for the data-parallel sharder to sum them over tp as well (``replicate_only_over``),
+which is why such a model needs a sharder with ``partial_data_parallel``. Expert parallel borrows tp's
+ranks, sending each rank's tokens to the experts' ranks, so no expert is computed twice.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import COMPILE, TENSOR_PARALLEL
+from titan_core.capabilities import COMPILE, PARTIAL_DATA_PARALLEL, TENSOR_PARALLEL
+from titan_core.data_parallel import replicate_only_over
 from titan_core.description import TensorParallelLayout, attribute, lacks
 
 STAGE = 200  # after pipeline splitting (each stage is parallelized like a whole model), before CP, AC, compile, FSDP
@@ -44,15 +53,30 @@ def validate(config, plugin_config, plan):
         if count % degree:
             raise ConfigError(field, f"{count} does not split over tp degree {degree}",
                               f"choose plugins.tp.degree dividing {count}")
-    if plugin_config.sequence_parallel:
+    experts = plan.model.experts
+    if experts is not None:
+        _check_token_split(experts, plan)
+    if plugin_config.sequence_parallel or experts is not None:
         # The sequence each rank sees (after context parallel's split) is split again over tp.
         local_seq = config.training.seq_len // plan.degree("cp")
         if local_seq % degree:
-            raise ConfigError("training.seq_len", f"sequence parallel splits {local_seq} tokens per context-parallel "
+            split = "sequence parallel" if plugin_config.sequence_parallel else "a mixture-of-experts layer"
+            raise ConfigError("training.seq_len", f"{split} splits {local_seq} tokens per context-parallel "
                               f"rank over tp degree {degree}", f"use a seq_len divisible by {degree * plan.degree('cp')}"
-                              " or plugins.tp.sequence_parallel=false")
+                              + (" or plugins.tp.sequence_parallel=false" if experts is None else ""))
     if plugin_config.async_tp:
         _check_async_tp(config, plugin_config)
+
+
+def _check_token_split(experts, plan) -> None:
+    if not experts.layer:
+        raise ConfigError("plugins.tp", f"model '{plan.model.family}' keeps its experts at the root of a block "
+                          f"('{experts.module}'), not in a mixture-of-experts sub-layer whose tokens tp can split",
+                          "describe ExpertsLayout.module inside the layer (e.g. 'mlp.experts'), or remove tp")
+    if not plan.provides(PARTIAL_DATA_PARALLEL):
+        raise ConfigError("plugins.tp", "on a mixture-of-experts model each tp rank trains the experts' layer on "
+                          "its own tokens, whose gradients a data-parallel sharder with partial_data_parallel must sum",
+                          "add fsdp to +plugins=[...] (plugins.fsdp.degree=1 if the ranks are all for tp)")
 
 
 def _check_async_tp(config, plugin_config) -> None:
@@ -74,7 +98,8 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
     for part in model_parts:
         apply_outer_plan(part, layout, tp_mesh, sp, lp)
         for block in plan.model.blocks_of(part).values():
-            apply_block_plan(block, layout, tp_mesh, sp)
+            experts_layer = plan.model.experts.layer if plan.model.experts_of(block) is not None else None
+            apply_block_plan(block, layout, tp_mesh, sp, experts_layer)
     if plugin_config.async_tp:
         apply_async_tp(tp_mesh)
 
@@ -95,21 +120,53 @@ def apply_outer_plan(model: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
                 replicate_norm(attribute(model, name), tp_mesh)
 
 
-def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp: bool) -> None:
+def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp: bool,
+                     experts_layer: str | None = None) -> None:
+    """Split the block's weights as the layout says, except inside ``experts_layer`` (a mixture-of-experts
+    sub-layer, present in sparse blocks only), whose tokens are split instead."""
+    def weights_split(name: str) -> bool:
+        return experts_layer is None or not (name == experts_layer or name.startswith(experts_layer + "."))
+
     stream = Shard(1) if sp else Replicate()
-    plan = {name: ColwiseParallel() for name in layout.block_colwise}
-    plan |= {name: RowwiseParallel(output_layouts=stream) for name in layout.block_rowwise}
+    plan = {name: ColwiseParallel() for name in layout.block_colwise if weights_split(name)}
+    plan |= {name: RowwiseParallel(output_layouts=stream) for name in layout.block_rowwise if weights_split(name)}
     # Each rank normalizes its own heads: the norm's weight is replicated and its gradient summed over ranks.
     plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in layout.head_norms}
     if sp:
         plan |= {name: SequenceParallel() for name in layout.block_norms}
     parallelize_module(block, tp_mesh, plan)
     if sp:
-        for name in layout.block_regions:
+        for name in filter(weights_split, layout.block_regions):
             gather_stream_on_entry(block.get_submodule(name), tp_mesh)
     else:
         for name in layout.block_norms:
             replicate_norm(block.get_submodule(name), tp_mesh)
+    if experts_layer is not None:
+        split_tokens(block.get_submodule(experts_layer), tp_mesh, sp)
+
+
+def split_tokens(layer: nn.Module, tp_mesh, sp: bool) -> None:
+    """Each rank computes the layer on its share of the sequence; the gradients of the layer's (whole)
+    weights are summed over tp by the data-parallel sharder, like those of more data-parallel ranks."""
+    def take_share(module, args):
+        stream = args[0]
+        if isinstance(stream, DTensor):  # sequence parallel: a norm's Shard(1) output, this rank's share already
+            share = stream.to_local()
+        elif sp:
+            share = stream
+        else:  # the replicated stream: keep this rank's slice (backward all-gathers the slices' gradients)
+            share = DTensor.from_local(stream, tp_mesh, [Replicate()], run_check=False).redistribute(
+                placements=[Shard(1)]).to_local()
+        return (share, *args[1:])
+
+    def gather_shares(module, args, output):
+        return DTensor.from_local(output, tp_mesh, [Shard(1)], run_check=False).redistribute(
+            placements=[Replicate()]).to_local()
+
+    layer.register_forward_pre_hook(take_share)
+    if not sp:  # under sequence parallel the residual stream stays split: the shares go on as they are
+        layer.register_forward_hook(gather_shares)
+    replicate_only_over(layer, ("dp_shard", "cp", "tp"))
 
 
 def gather_stream_on_entry(region: nn.Module, tp_mesh) -> None:
