@@ -238,6 +238,7 @@ def test_tensor_parallel_splits_the_tokens_of_the_experts_layers(titan_reference
                       "plugins.tp.degree=2", "plugins.tp.loss_parallel=false"], tmp_path / "run")
     reference = titan_reference(("model=qwen3_moe_tiny",))
     report = compare(result, reference)
+    print(f"tp parity: {report}")
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
     for ours, theirs in zip(result.metrics, reference.metrics, strict=True):
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (ours, theirs)
