@@ -139,7 +139,9 @@ def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
     unscaled mean loss, or None on ranks that compute no loss (pipeline stages other than the last).
     ``model_kwargs`` holds per-token (batch, seq) tensors: ``document_ids`` under
     ``training.attention_mask=block_causal``, nothing otherwise. The core's default is a plain forward and
-    backward on the single model part.
+    backward on the single model part. A schedule that scales each forward's loss otherwise (a pipeline
+    divides by its micro-batches too) says by what in a ``loss_weight`` attribute, which losses added
+    inside the model (``titan_core.objective.add_loss``) then share.
     """
 
 

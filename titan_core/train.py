@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from titan_core.attention import document_ids
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
+from titan_core import objective
 from titan_core.mesh import ParallelMesh, device_for_rank
 from titan_core.metrics import MetricsLogger
 from titan_core.init import init_weights
@@ -115,6 +116,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
     for name in hooks.order:
         loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
     schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
+    objective.set_loss_weight(getattr(schedule, "loss_weight", 1 / training.grad_accum_steps))
     optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
     lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
     dp_rank = mesh.local_rank(*plan.data_parallel_dims)

@@ -95,6 +95,7 @@ class PipelineStep:
         self.holds_last = any(s.is_last for s in stages)
         self.loss_fn = loss_fn
         self.scale = microbatches * grad_accum_steps
+        self.loss_weight = 1 / self.scale  # for losses the model adds inside its stages (titan_core.objective)
         schedule_class = schedules.get_schedule_class(schedule_name)
         looped = issubclass(schedule_class, schedules.PipelineScheduleMulti)
         self.schedule = schedule_class(stages if looped else stages[0], n_microbatches=microbatches,

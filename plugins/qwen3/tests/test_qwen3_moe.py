@@ -95,6 +95,34 @@ def test_deepseek_routing_equals_a_token_by_token_loop():
     assert moe.tokens_since_update[0] == 21 and moe.tokens_since_update[7] == 0
 
 
+def test_balance_loss_adds_the_gradient_of_its_formula():
+    """Backward through the layer adds the gradient of the balance loss written out, and nothing else."""
+    coef = 0.5
+    moe = MoE(args(router_aux_loss_coef=coef))
+    torch.manual_seed(0)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    x = torch.randn(3, 8, 64)
+    (moe(x) * 0).sum().backward()  # the output's own gradient is zero: what remains is the added loss's
+    added = moe.gate.weight.grad
+    assert moe.aux_loss_forwards == 1
+
+    flat = x.reshape(-1, 64)  # the formula, independently of the layer's code
+    scores = F.linear(flat, moe.gate.weight).softmax(-1)
+    counts = F.one_hot(scores.topk(2).indices, 8).sum((0, 1)).float()
+    balance = 8 / (2 * len(flat) ** 2) * (counts * scores.sum(0)).sum()
+    torch.testing.assert_close(moe.aux_loss_parts, balance.detach())
+    expected, = torch.autograd.grad(coef / 3 * balance, moe.gate.weight)  # 3 of the tiny model's 4 blocks are MoE
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(added, expected, rtol=1e-5, atol=1e-8)
+
+    with torch.no_grad():  # even scores: the loss is 1 whichever experts the ties pick
+        moe.gate.weight.zero_()
+    moe.aux_loss_parts.zero_()
+    moe(x)
+    torch.testing.assert_close(moe.aux_loss_parts, torch.tensor(1.0))
+
+
 def test_routing_bias_moves_toward_even_load_after_each_step(one_rank_group):
     from titan_core.plan import Plan
     from titan_qwen3.moe_plugin import after_optimizer_step
@@ -242,6 +270,34 @@ def test_tensor_parallel_splits_the_tokens_of_the_experts_layers(titan_reference
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
     for ours, theirs in zip(result.metrics, reference.metrics, strict=True):
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (ours, theirs)
+
+
+# A large coefficient, so that a balance loss weighted wrong moves the gradient far beyond fp32 noise. The
+# loss depends on the micro-batch it is computed over: every run splits each step into two of 4 sequences.
+BALANCED = ("model=qwen3_moe_tiny", "model.router_aux_loss_coef=1.0")
+TWO_MICRO_BATCHES = "training.grad_accum_steps=2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", [
+    # tp ranks hold halves of each micro-batch's tokens: the counts are summed over them first.
+    ("+plugins=[fsdp,tp]", "plugins.fsdp.degree=1", "plugins.tp.degree=2", TWO_MICRO_BATCHES),
+    # cp ranks hold halves of each sequence and their gradients are averaged; the pipeline's two micro-batches
+    # weight every forward's loss by 1/2, like the accumulation steps of the reference.
+    ("+plugins=[cp,pp]", "plugins.cp.degree=2", "plugins.pp.degree=2"),
+], ids=["tp2", "cp2-pp2"])
+def test_balance_loss_trains_like_one_process(stack, titan_reference, tmp_path):
+    result = run_job([*TINY, *BALANCED, *stack], tmp_path / "run")
+    reference = titan_reference((*BALANCED, TWO_MICRO_BATCHES))
+    report = compare(result, reference)
+    print(f"balance loss parity: {report}")
+    assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+    for ours, theirs in zip(result.metrics, reference.metrics, strict=True):
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (ours, theirs)
+        # (but for a pipeline's first step, where torch runs one more forward to infer the stages' shapes)
+        if ours["step"] > 1 or "pp" not in stack[0]:
+            assert ours["router_aux_loss"] == pytest.approx(theirs["router_aux_loss"], rel=1e-5), (ours, theirs)
+    assert 1 < reference.metrics[0]["router_aux_loss"] < 2  # an uneven start: more than the even load's 1
 
 
 @pytest.mark.parametrize("overrides, message", [

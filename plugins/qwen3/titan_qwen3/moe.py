@@ -12,6 +12,14 @@ only to choose the experts, moves after every optimizer step by that rate toward
 received fewer tokens than the mean; the model plugin's ``after_optimizer_step`` does it over the global
 batch).
 
+``router_aux_loss_coef`` adds the classic load-balancing loss instead (Switch Transformer, DeepSeek's
+normalization): per MoE layer and micro-batch of T tokens, E / (k T^2) * sum_i c_i S_i, where c_i counts
+the copies expert i received and S_i sums its scores over the tokens (1 when the load and the scores
+are even), averaged over the MoE layers and weighted by the coefficient. It enters the gradient through
+``titan_core.objective.add_loss``; the logged loss stays the logits' cross entropy. When tensor or
+context parallel split a micro-batch's tokens over ranks, the counts are summed over those ranks first
+(``token_group``), so each rank adds its exact share of the whole micro-batch's loss.
+
 Names follow transformers' Qwen3-MoE modules (``mlp.gate.weight`` the router, ``mlp.experts.gate_up_proj``
 (experts, 2 x moe_intermediate_size, hidden) and ``mlp.experts.down_proj`` (experts, hidden,
 moe_intermediate_size)), so a checkpoint is exported and read back by renaming only.
@@ -22,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from titan_core.objective import add_loss
 from titan_qwen3.model import MLP, Qwen3, Qwen3Args
 
 
@@ -39,6 +49,7 @@ class Qwen3MoeArgs(Qwen3Args):
     score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
     num_shared_experts: int = 0  # DeepSeek-V3: 1, of moe_intermediate_size each
     router_bias_update_rate: float = 0.0  # DeepSeek-V3: 1e-3; 0 leaves the choice to the scores alone
+    router_aux_loss_coef: float = 0.0  # load-balancing loss weight (transformers' name); 0: none
 
     @property
     def qwen3_routing(self) -> bool:
@@ -57,8 +68,9 @@ class TopKRouter(nn.Module):
         # Saved with the weights, so that a resumed run keeps the balance it learned.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts) if args.router_bias_update_rate else None)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, hidden) -> the chosen experts' weights and indices, each (tokens, top_k)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, hidden) -> the chosen experts' weights and indices, each (tokens, top_k), and every
+        expert's score (tokens, experts)."""
         logits = F.linear(x, self.weight).float()
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
@@ -66,7 +78,7 @@ class TopKRouter(nn.Module):
         weights = scores.gather(-1, experts)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.type_as(x), experts
+        return weights.type_as(x), experts, scores
 
 
 class GroupedExperts(nn.Module):
@@ -126,11 +138,20 @@ class MoE(nn.Module):
         # each expert's distance to the mean load see).
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.long), persistent=False)
         self.register_buffer("tokens_since_update", torch.zeros(args.num_experts, dtype=torch.long), persistent=False)
+        # The balance loss's share of this layer, and the sum of this rank's parts of it since the metrics
+        # last read it, with the forwards they came from.
+        self.aux_loss_coef = args.router_aux_loss_coef / sum(map(args.sparse, range(args.num_hidden_layers)))
+        self.register_buffer("aux_loss_parts", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_forwards", torch.zeros((), dtype=torch.long), persistent=False)
+        # Set by the model plugin when tensor or context parallel split a micro-batch's tokens over ranks:
+        # their group and its size, and the factor that undoes the sharder's averaging over context-parallel
+        # ranks (tensor-parallel ones are summed).
+        self.token_group, self.token_group_size, self.aux_loss_scale = None, 1, 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = self.gate(x)
+        weights, experts, scores = self.gate(x)
         order = experts.flatten().argsort(stable=True)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         with torch.no_grad():
@@ -141,7 +162,24 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add(0, token, out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.aux_loss_coef and torch.is_grad_enabled():
+            out = add_loss(out, self.balance_loss(scores, counts) * (self.aux_loss_coef * self.aux_loss_scale))
         return out.reshape(shape)
+
+    def balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the layer's balance loss over the whole micro-batch (the parts of the ranks
+        sharing it sum to the loss)."""
+        counts, tokens = counts.float(), scores.shape[0] * self.token_group_size
+        if self.token_group is not None:
+            counts = funcol.all_reduce(counts, "sum", self.token_group)
+        part = (counts * scores.sum(0)).sum() * (self.num_experts / (self.gate.top_k * tokens ** 2))
+        with torch.no_grad():
+            # A pipeline stage's shape inference runs a forward on uninitialized inputs: one that gives
+            # inf or NaN is left out of the logged mean (without a host sync).
+            finite = part.isfinite()
+            self.aux_loss_parts += torch.where(finite, part, 0.0)
+            self.aux_loss_forwards += finite
+        return part
 
 
 class Qwen3Moe(Qwen3):

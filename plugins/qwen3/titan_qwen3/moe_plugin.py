@@ -39,7 +39,7 @@ def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
     if args.score_function not in SCORE_FUNCTIONS:
         raise ConfigError("model.score_function", f"unknown router score '{args.score_function}'",
                           f"use one of {', '.join(SCORE_FUNCTIONS)}")
-    for field in ("num_shared_experts", "router_bias_update_rate"):
+    for field in ("num_shared_experts", "router_bias_update_rate", "router_aux_loss_coef"):
         if getattr(args, field) < 0:
             raise ConfigError(f"model.{field}", f"{getattr(args, field)} is negative", "use 0 (off) or more")
     return args
@@ -136,8 +136,9 @@ def init_buffers(part, args: Qwen3MoeArgs) -> None:
     part.rope.copy_(rope_table(args))
     for module in part.modules():
         if isinstance(module, MoE):
-            module.tokens_per_expert.zero_()
-            module.tokens_since_update.zero_()
+            for counter in (module.tokens_per_expert, module.tokens_since_update, module.aux_loss_parts,
+                            module.aux_loss_forwards):
+                counter.zero_()
             if module.gate.expert_bias is not None:
                 module.gate.expert_bias.zero_()
 
@@ -156,6 +157,19 @@ def global_counts(model_parts, plan, buffer: str) -> tuple[dict[int, MoE], torch
     # mixture-of-experts layer's tokens), pipeline stages hold different blocks.
     dist.all_reduce(counts)
     return layers, counts
+
+
+@hookimpl
+def after_init(model_parts, mesh, plan):
+    """Qwen3-MoE: with router_aux_loss_coef, give every MoE layer the ranks that share its tokens (tp, cp)."""
+    if not plan.model.args.router_aux_loss_coef:
+        return
+    sharing = mesh.submesh(("cp", "tp"))
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, MoE) and sharing is not None and sharing.size() > 1:
+                module.token_group, module.token_group_size = sharing.get_group(), sharing.size()
+                module.aux_loss_scale = float(plan.degree("cp"))
 
 
 @hookimpl
@@ -178,8 +192,25 @@ def step_metrics(model_parts, step, plan):
     counts = global_counts(model_parts, plan, "tokens_per_expert")[1][sparse]
     load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
     _idle_experts.update(counts, sparse, step)
-    return {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
-            "idle_experts": int((counts == 0).sum())}
+    metrics = {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
+               "idle_experts": int((counts == 0).sum())}
+    if args.router_aux_loss_coef:
+        metrics["router_aux_loss"] = mean_balance_loss(model_parts, plan.degree("cp") * plan.degree("tp"))
+    return metrics
+
+
+def mean_balance_loss(model_parts, sharing: int) -> float:
+    """The balance loss of a MoE layer and micro-batch, averaged over the forwards since the last log; every
+    rank must call it. A forward's loss is split in parts over the ``sharing`` ranks holding its tokens."""
+    layers = [module for part in model_parts for module in part.modules() if isinstance(module, MoE)]
+    totals = torch.zeros(2, device=next(model_parts[0].buffers()).device)
+    for module in layers:
+        totals += torch.stack([module.aux_loss_parts, module.aux_loss_forwards.float()])
+        module.aux_loss_parts.zero_()
+        module.aux_loss_forwards.zero_()
+    dist.all_reduce(totals)
+    parts, forwards = totals.tolist()
+    return parts * sharing / forwards if forwards else 0.0
 
 
 class IdleExperts:
