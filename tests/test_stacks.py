@@ -2,6 +2,8 @@
 
 import pytest
 
+from titan_core.testing import TINY, compare, run_job
+
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # the parity harness's bounds (see titan_core.testing)
 
 
@@ -12,8 +14,12 @@ LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # the parity harness's bounds (see titan_core.
     ["+plugins=[pp,fsdp,tp,compile,ac]", "plugins.pp.degree=2", "plugins.pp.schedule=1F1B", "plugins.fsdp.degree=2",
      "plugins.tp.degree=2", "plugins.ac.mode=selective_op"],
 ], ids=["tp2-compile-sac", "fsdp2-tp2-compile-sac", "pp2-fsdp2-tp2-compile-sac"])
-def test_tp_compile_selective_ac(titan_parity, overrides):
+def test_tp_compile_selective_ac(titan_reference, tmp_path, overrides):
     # Crashed in backward before: SAC saved inductor's reused mm.out buffers inside the compiled regions.
-    report = titan_parity(overrides)
+    result = run_job([*TINY, *overrides], tmp_path / "run")
+    report = compare(result, titan_reference())
+    print(f"parity {' '.join(overrides)}: {report}")
     assert report.max_loss_diff <= LOSS_TOL, report
     assert report.max_param_diff <= PARAM_TOL, report
+    # dynamo's counters: the attention and feed-forward regions compiled whole
+    assert result.metrics[-1]["compiled_graphs"] >= 2 and result.metrics[-1]["graph_breaks"] == 0, result.metrics[-1]

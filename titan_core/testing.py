@@ -250,5 +250,7 @@ def model_conformance(model_overrides, cases=None):
         assert report.max_param_diff <= spec.param_tol, report
         if spec.must_differ:
             assert report.max_loss_diff > 0, "bit-identical to fp32: nothing was converted"
+        if case == "compile":  # the compile plugin logs dynamo's counters
+            assert result.metrics[-1].get("compiled_graphs", 0) >= 1, "nothing was compiled"
     return test_model_conformance
 

@@ -224,7 +224,9 @@ def save_full_weights(model_parts: list[torch.nn.Module], path: Path) -> None:
         state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         weights.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(weights, path)
+    written = path.with_name(path.name + ".partial")  # a reader sees the whole file or none
+    torch.save(weights, written)
+    os.replace(written, path)
 
 
 def _configure_logging(run_dir: Path, rank: int) -> None:

@@ -11,6 +11,7 @@ the model has bytes in the chosen dtype.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from titan_core.data import load_tokenizer, tokenizer_file
 from titan_core.description import ModelDescription, lacks
 from titan_core.options import FLOAT_DTYPES
 from titan_core.plan import model_description
+from titan_checkpoint.files import partial_of, save_file, swap_in
 from titan_checkpoint.hf import export_hf
 from titan_checkpoint.state import allocate, read_metadata
 
@@ -55,14 +57,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.checkpoint} is not a complete checkpoint (it has no .metadata)")
     dtype = FLOAT_DTYPES[args.dtype]
     if args.format == "torch":
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({k: v.to(dtype) for k, v in read_model_weights(args.checkpoint).items()}, args.output)
+        save_file({k: v.to(dtype) for k, v in read_model_weights(args.checkpoint).items()}, args.output)
     else:
         config_path = args.config or args.checkpoint.parent.parent / "config.yaml"
         if not config_path.is_file():
             parser.error(f"{config_path} does not exist: pass the run's config.yaml with --config")
         try:
-            export_hf_from_checkpoint(args.checkpoint, args.output, dtype, OmegaConf.load(config_path))
+            shutil.rmtree(partial_of(args.output), ignore_errors=True)
+            export_hf_from_checkpoint(args.checkpoint, partial_of(args.output), dtype, OmegaConf.load(config_path))
+            swap_in(partial_of(args.output), args.output)
         except ConfigError as error:
             sys.exit(f"titan-checkpoint: error: {error}")
     print(f"wrote {args.output}")

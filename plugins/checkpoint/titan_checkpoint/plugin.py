@@ -3,14 +3,15 @@
 Folder layout (``plugins.checkpoint.folder``, under the run dir unless absolute)::
 
     step-40/            a complete training state (torch.distributed.checkpoint format)
-    step-60.partial/    a save in progress, or one a dead process left behind: never loaded
+    step-60.partial/    a save in progress, or one a dead process left behind: never loaded as such
     weights-step-100/   the final model-only save, in the export dtype
     hf-step-100/        the final weights as a Hugging Face folder of the model's family
 
 A save writes into ``<name>.partial``; rank 0 renames it once the checkpoint's metadata exists, which
-DCP writes only after every rank has written its shards. So a directory without the suffix is
-always complete, a process killed mid-save costs only that save, and a restarted world resumes from
-the newest complete ``step-N`` in its own folder before it looks at ``load_path``.
+DCP writes only after every rank has written its shards (the HF export likewise, its config.json
+last). So a directory without the suffix is always complete, a process killed mid-save costs at most
+that save (``files.recover`` settles every step of the swap at the next start), and a restarted world
+resumes from the newest complete ``step-N`` in its own folder before it looks at ``load_path``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from titan_core.description import lacks
 from titan_core.options import FLOAT_DTYPES, float_dtype
 from titan_core.plan import build_meta_model
 from titan_checkpoint.convert import export_hf_from_checkpoint
+from titan_checkpoint.files import partial_of, recover, remove, swap_in
 from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config
 from titan_checkpoint.state import (PARTS, check_loadable, check_model_matches, dcp_shapes, load_training_state,
                                     model_tensors, training_tensors)
@@ -107,9 +109,8 @@ class Checkpointer:
     def load(self, state) -> int | None:
         choice = [None]
         if self.rank == 0:  # rank 0 decides, so that every rank loads the same checkpoint
-            for partial in self.folder.glob("*.partial"):
-                log.info("removing %s, an incomplete save of an earlier attempt", partial)
-                shutil.rmtree(partial)
+            if self.folder.is_dir():
+                recover(self.folder)
             own = complete_checkpoints(self.folder)
             if own:  # a restart or rerun of this run continues it whole
                 choice = [("dcp", own[-1][1], tuple(PARTS))]
@@ -149,7 +150,8 @@ class Checkpointer:
         return self.write(training_tensors(state), f"step-{step}", asynchronous=self.options.async_save)
 
     def write(self, tensors: dict, name: str, asynchronous: bool) -> Path:
-        partial, complete = self.folder / f"{name}.partial", self.folder / name
+        complete = self.folder / name
+        partial = partial_of(complete)
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
@@ -166,21 +168,19 @@ class Checkpointer:
 
     def publish(self, partial: Path, complete: Path) -> None:
         """Make a finished save visible; the one it replaces (a rerun of a step) goes only after."""
-        replaced = complete.with_name(complete.name + ".replaced")
-        if complete.exists():
-            complete.rename(replaced)
-        partial.rename(complete)
-        shutil.rmtree(replaced, ignore_errors=True)
+        swap_in(partial, complete)
         log.info("checkpoint %s written", complete)
         if self.options.keep_latest_k:
             for _, old in complete_checkpoints(self.folder)[:-self.options.keep_latest_k]:
-                shutil.rmtree(old)
+                remove(old)
 
     def export_hf(self, checkpoint: Path, step: int) -> None:
         if self.rank == 0:
             target = self.folder / f"hf-step-{step}"
-            export_hf_from_checkpoint(checkpoint, target, FLOAT_DTYPES[self.options.export_dtype],
+            shutil.rmtree(partial_of(target), ignore_errors=True)
+            export_hf_from_checkpoint(checkpoint, partial_of(target), FLOAT_DTYPES[self.options.export_dtype],
                                       self.config, self.description)
+            swap_in(partial_of(target), target)
             log.info("Hugging Face export %s written", target)
         dist.barrier()
 

@@ -23,7 +23,14 @@ def assert_matches_eager(overrides: list[str], titan_reference, tmp_path):
     print(f"{' '.join(overrides)}: {report}; {_timings(result)}")
     assert report.max_loss_diff <= LOSS_TOL
     assert report.max_param_diff <= PARAM_TOL
+    assert_compiled(result)
     return result
+
+
+def assert_compiled(result, breaks: int = 0) -> None:
+    """Dynamo's own counters, logged by the plugin: graphs were compiled, with the expected graph breaks."""
+    last = result.metrics[-1]
+    assert last["compiled_graphs"] >= 1 and last["graph_breaks"] == breaks, last
 
 
 # Compile alone is a case of every model's conformance run (titan_core.testing.model_conformance).

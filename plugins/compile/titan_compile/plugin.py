@@ -81,6 +81,14 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
 
 
 @hookimpl
+def step_metrics():
+    """compile: how many graphs dynamo compiled so far and how many graph breaks it took (proof it compiled)."""
+    counters = torch._dynamo.utils.counters
+    return {"compiled_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+@hookimpl
 def wrap_loss(loss_fn, plugin_config):
     """compile: with compile_loss, the compiled loss function."""
     options = plugin_config

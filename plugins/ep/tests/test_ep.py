@@ -61,6 +61,8 @@ def test_expert_parallel_trains_like_one_process(model, stack, titan_reference, 
     logs = [(result.run_dir / "logs" / f"rank{r}.log").read_text() for r in (0, 1)]
     assert "holds experts 0-3 of 8 in each of" in logs[0] and "holds experts 4-7 of 8 in each of" in logs[1]
     _assert_trains_like(result, titan_reference(model), pipelined="pp" in stack[0])
+    if "compile" in stack[0]:  # dynamo's counters: compiled, with breaks around the experts' all-to-all
+        assert result.metrics[-1]["compiled_graphs"] >= 1 and result.metrics[-1]["graph_breaks"] >= 1, result.metrics[-1]
 
 
 @pytest.mark.slow

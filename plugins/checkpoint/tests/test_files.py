@@ -1,0 +1,112 @@
+"""Saves visible only complete: a process killed at every step of publishing or deleting a checkpoint, and
+what the next start (``recover``) makes of the folder it left."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_checkpoint import files
+from titan_checkpoint.plugin import complete_checkpoints
+
+
+class Killed(Exception):
+    """The process died here."""
+
+
+def saved(folder: Path, content: str, finished: bool = True) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_text(content)
+    if finished:  # DCP writes .metadata last, once every rank's shards are written
+        (folder / ".metadata").write_text(content)
+    return folder
+
+
+def content(folder: Path) -> str:
+    assert files.finished(folder), folder
+    return (folder / "__0_0.distcp").read_text()
+
+
+@pytest.fixture
+def dies_after(monkeypatch):
+    """``dies_after(n)``: renames and deletions raise Killed once n of them have run."""
+    def arm(operations: int):
+        done = [0]
+
+        def mortal(real):
+            def operation(*args, **kwargs):
+                if done[0] == operations:
+                    raise Killed
+                done[0] += 1
+                return real(*args, **kwargs)
+            return operation
+        monkeypatch.setattr(Path, "rename", mortal(Path.rename))
+        monkeypatch.setattr(files.shutil, "rmtree", mortal(shutil.rmtree))
+    return arm
+
+
+# Publishing a rerun of step 3 takes three operations: old -> .replaced, .partial -> step-3, delete .replaced.
+@pytest.mark.parametrize("killed_at, survivor", [(0, "old"), (1, "new"), (2, "new"), (None, "new")])
+def test_a_save_killed_at_any_step_of_the_swap_leaves_one_complete_checkpoint(tmp_path, monkeypatch, dies_after,
+                                                                               killed_at, survivor):
+    complete = saved(tmp_path / "step-3", "old")
+    partial = saved(files.partial_of(complete), "new")
+    if killed_at is not None:
+        dies_after(killed_at)
+    try:
+        files.swap_in(partial, complete)
+    except Killed:
+        pass
+    monkeypatch.undo()
+    files.recover(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-3"]
+    assert content(complete) == survivor
+
+
+def test_a_first_save_killed_before_its_rename_is_published(tmp_path, dies_after, monkeypatch):
+    partial = saved(tmp_path / "step-5.partial", "new")
+    dies_after(0)
+    with pytest.raises(Killed):
+        files.swap_in(partial, tmp_path / "step-5")
+    monkeypatch.undo()
+    assert complete_checkpoints(tmp_path) == []  # not loadable as it stands
+    files.recover(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-5"] and content(tmp_path / "step-5") == "new"
+
+
+def test_an_unfinished_save_is_dropped_and_the_one_it_was_replacing_comes_back(tmp_path):
+    saved(tmp_path / "step-3.replaced", "old")
+    saved(tmp_path / "step-3.partial", "new", finished=False)  # killed while the ranks wrote their shards
+    saved(tmp_path / "step-6.partial", "newer", finished=False)
+    files.recover(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-3"] and content(tmp_path / "step-3") == "old"
+
+
+@pytest.mark.parametrize("killed_at", [0, 1])
+def test_a_checkpoint_being_deleted_never_looks_complete(tmp_path, dies_after, monkeypatch, killed_at):
+    old = saved(tmp_path / "step-1", "old")
+    saved(tmp_path / "step-2", "kept")
+    dies_after(killed_at)
+    with pytest.raises(Killed):
+        files.remove(old)
+    monkeypatch.undo()
+    expected = [1, 2] if killed_at == 0 else [2]  # before the rename it is whole, after it is never listed
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == expected
+    files.recover(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step}" for step in expected]
+
+
+def test_a_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    target = tmp_path / "weights.pt"
+
+    def dies_while_writing(obj, path):
+        Path(path).write_bytes(b"half")
+        raise Killed
+    monkeypatch.setattr(files.torch, "save", dies_while_writing)
+    with pytest.raises(Killed):
+        files.save_file({"w": torch.ones(2)}, target)
+    assert not target.exists()
+    monkeypatch.undo()
+    files.save_file({"w": torch.ones(2)}, target)
+    assert torch.equal(torch.load(target)["w"], torch.ones(2))
