@@ -126,6 +126,44 @@ def test_stopped_run_resumes_bit_for_bit(tmp_path, faults, uninterrupted, plan, 
     assert_same_weights(resumed.final_weights(), whole.final_weights())
 
 
+def damage(shard, how: str) -> None:
+    data = shard.read_bytes()
+    if how == "flip-a-byte":
+        middle = len(data) // 2
+        data = data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1:]
+    else:
+        data = data[:len(data) // 2]
+    shard.write_bytes(data)
+
+
+@pytest.mark.parametrize("how", ["flip-a-byte", "truncate"])
+def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, how):
+    options = ("plugins.checkpoint.interval=2", "plugins.checkpoint.keep_latest_k=0")
+    whole = run_job(job(ONE, *options), tmp_path)
+    expected = whole.final_weights()
+    shard = sorted((tmp_path / "checkpoints" / "step-8").glob("__0_*.distcp"))[0]
+    damage(shard, how)
+
+    resumed = run_job(job(ONE, *options), tmp_path)  # the same run started again: step 8 is damaged, 6 is not
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert f"skipping damaged checkpoint {tmp_path / 'checkpoints' / 'step-8'}: {shard}: " in log
+    assert "checkpoints/step-6: continuing after step 6" in log
+    assert [m["step"] for m in resumed.metrics][-2:] == [7, 8]
+    assert_same_weights(resumed.final_weights(), expected)
+
+
+def test_no_intact_checkpoint_is_one_line(tmp_path):
+    options = ("plugins.checkpoint.interval=4", "training.steps=4")
+    run_job(job(ONE, *options), tmp_path)
+    shard = sorted((tmp_path / "checkpoints" / "step-4").glob("__0_*.distcp"))[0]
+    damage(shard, "flip-a-byte")
+    failed = run_job(job(ONE, *options), tmp_path, expect_success=False)
+    assert failed.returncode == 2
+    assert error_line(failed) == (f"titan-core: error: plugins.checkpoint: every checkpoint to resume from is damaged "
+                                  f"(newest: {shard}: contents differ from when it was saved (checksum)); fix: restore "
+                                  "the files from a copy, or start afresh in another run dir")
+
+
 def test_logged_loss_is_restart_invariant(tmp_path, faults, uninterrupted):
     # Resumed after step 4, mid-way through the logging window of steps 4-6: step 6 must log what the
     # uninterrupted run logged (a mean over the window since the restart would not).

@@ -1,22 +1,30 @@
-"""Saves that become visible only complete, and what a process killed while saving leaves put right.
+"""Saves that become visible only complete, damaged ones caught, and what a killed save left put right.
 
 Every folder is written under ``<name>.partial`` and renamed once finished; a folder it replaces (the
 same step saved again) is first renamed ``<name>.replaced`` and removed only after; an old checkpoint
 is renamed ``<name>.removed`` before it is deleted, so that a half-deleted one never looks complete.
 At start, :func:`recover` settles each leftover whatever step of the swap the process died at.
+
+Each rank records the size and CRC-32 of the files it wrote into a checkpoint (``checksums/rank<r>.json``,
+before the folder is renamed); before loading, each rank checks the files of the saving ranks r with
+r = its rank modulo the world, so the reading is spread and no rank's share grows with the world.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("titan_core")
 PARTIAL, REPLACED, REMOVED = ".partial", ".replaced", ".removed"
+CHECKSUMS = "checksums"
+CHUNK = 1 << 24
 
 
 def finished(folder: Path) -> bool:
@@ -72,3 +80,38 @@ def save_file(tensors: dict, path: Path) -> None:
     partial = path.with_name(path.name + PARTIAL)
     torch.save(tensors, partial)
     os.replace(partial, path)
+
+
+def crc32(path: Path) -> int:
+    value = 0
+    with path.open("rb") as stream:
+        while chunk := stream.read(CHUNK):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def record_checksums(folder: Path, rank: int) -> None:
+    """Write the size and CRC-32 of every file rank ``rank`` wrote into the DCP folder ``folder``."""
+    written = {path.name: [path.stat().st_size, crc32(path)] for path in sorted(folder.glob(f"__{rank}_*"))}
+    (folder / CHECKSUMS).mkdir(exist_ok=True)
+    target = folder / CHECKSUMS / f"rank{rank}.json"
+    target.with_name(target.name + PARTIAL).write_text(json.dumps(written))
+    os.replace(target.with_name(target.name + PARTIAL), target)
+
+
+def damaged_files(folder: Path, rank: int, world: int) -> list[str]:
+    """This rank's share of the check of ``folder``: its missing, truncated or altered files, as
+    "<file>: <what>" (none for a checkpoint saved without checksums)."""
+    damaged = []
+    for record in sorted((folder / CHECKSUMS).glob("rank*.json")):
+        if int(record.stem.removeprefix("rank")) % world != rank:
+            continue
+        for name, (size, checksum) in json.loads(record.read_text()).items():
+            path = folder / name
+            if not path.is_file():
+                damaged.append(f"{path}: missing")
+            elif path.stat().st_size != size:
+                damaged.append(f"{path}: {path.stat().st_size} bytes instead of {size} (truncated)")
+            elif crc32(path) != checksum:
+                damaged.append(f"{path}: contents differ from when it was saved (checksum)")
+    return damaged

@@ -31,7 +31,7 @@ from titan_core.description import lacks
 from titan_core.options import FLOAT_DTYPES, float_dtype
 from titan_core.plan import build_meta_model
 from titan_checkpoint.convert import export_hf_from_checkpoint
-from titan_checkpoint.files import partial_of, recover, remove, swap_in
+from titan_checkpoint.files import damaged_files, partial_of, record_checksums, recover, remove, swap_in
 from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config
 from titan_checkpoint.state import (PARTS, check_loadable, check_model_matches, dcp_shapes, load_training_state,
                                     model_tensors, training_tensors)
@@ -107,20 +107,20 @@ class Checkpointer:
         self.saved_step: int | None = None
 
     def load(self, state) -> int | None:
-        choice = [None]
-        if self.rank == 0:  # rank 0 decides, so that every rank loads the same checkpoint
+        candidates = [None]
+        if self.rank == 0:  # rank 0 lists them, so that every rank loads the same checkpoint
             if self.folder.is_dir():
                 recover(self.folder)
             own = complete_checkpoints(self.folder)
-            if own:  # a restart or rerun of this run continues it whole
-                choice = [("dcp", own[-1][1], tuple(PARTS))]
+            if own:  # a restart or rerun of this run continues it whole, from its newest intact save
+                candidates = [[("dcp", path, tuple(PARTS)) for _, path in reversed(own)]]
             elif self.options.load_path:
                 kind, path = checkpoint_to_load(Path(self.options.load_path).expanduser())
-                choice = [(kind, path, tuple(self.options.load_parts))]
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
+                candidates = [[(kind, path, tuple(self.options.load_parts))]]
+        dist.broadcast_object_list(candidates, src=0)
+        if candidates[0] is None:
             return None
-        kind, path, parts = choice[0]
+        kind, path, parts = self.first_intact(candidates[0])
         if kind == "hf":
             self.load_hf(state.model_parts, path)
             step = 0
@@ -129,6 +129,23 @@ class Checkpointer:
         log.info("loaded %s: continuing after step %d (%s)", path, step, ", ".join(parts) if kind == "dcp" else "weights")
         self.saved_step = step if path.parent == self.folder else None
         return step
+
+    def first_intact(self, candidates: list[tuple]) -> tuple:
+        """The first checkpoint whose files all match their checksums; each rank checks its share of each."""
+        newest_damage = None
+        for candidate in candidates:
+            kind, path, _ = candidate
+            mine = damaged_files(path, self.rank, dist.get_world_size()) if kind == "dcp" else []
+            found = [None] * dist.get_world_size()
+            dist.all_gather_object(found, mine)
+            damaged = [line for lines in found for line in lines]
+            if not damaged:
+                return candidate
+            newest_damage = newest_damage or damaged[0]
+            if self.rank == 0:
+                log.warning("skipping damaged checkpoint %s: %s", path, "; ".join(damaged))
+        raise ConfigError("plugins.checkpoint", f"every checkpoint to resume from is damaged (newest: {newest_damage})",
+                          "restore the files from a copy, or start afresh in another run dir")
 
     def save(self, state, step: int, final: bool) -> Path | None:
         if final:
@@ -158,13 +175,19 @@ class Checkpointer:
         dist.barrier()
         if asynchronous:  # returns once the tensors are copied to memory; the writing goes on in a thread
             upload = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group)
-            self.pending = upload if self.rank else then(upload, lambda: self.publish(partial, complete))
+            self.pending = then(upload, lambda: self.seal(partial, complete))
         else:
             dcp.save(tensors, checkpoint_id=str(partial))
-            if self.rank == 0:
-                self.publish(partial, complete)
+            self.seal(partial, complete)
         self.saved_step = int(STEP_DIR.search(name).group(1))
         return complete
+
+    def seal(self, partial: Path, complete: Path) -> None:
+        """Every rank records its files' checksums; once all have, rank 0 publishes the save."""
+        record_checksums(partial, dist.get_rank(self.group))
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            self.publish(partial, complete)
 
     def publish(self, partial: Path, complete: Path) -> None:
         """Make a finished save visible; the one it replaces (a rerun of a step) goes only after."""
