@@ -34,7 +34,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         result = run_job([*TINY, f"training.steps={args.steps}", "metrics.log_every=10",
                           "testing.save_final_weights=false", *stack], Path(scratch) / "run", timeout=3600)
-    logged = [m for m in result.metrics if m["step"] > 10]  # the first line includes start-up and compilation
+        metrics = result.metrics  # read from the run dir, before it goes
+    logged = [m for m in metrics if m["step"] > 10]  # the first line includes start-up and compilation
     first = [m for m in logged if m["step"] <= WINDOW + 10]
     last = [m for m in logged if m["step"] > args.steps - WINDOW]
     memory = (max(m["memory_gib"] for m in first), max(m["memory_gib"] for m in last))
