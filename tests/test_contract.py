@@ -17,6 +17,7 @@ from torch import nn
 from titan_core import hookimpl
 from titan_core.attention import causal_attention
 from titan_core.description import CORE_ATTENTION, ExpertsLayout, ModelDescription, ParamInit
+from titan_core.objective import add_loss
 
 
 class Experts(nn.Module):  # every expert of a block; the copies come sorted by expert, counts of each
@@ -33,27 +34,32 @@ class Experts(nn.Module):  # every expert of a block; the copies come sorted by 
 
 
 class TopTwo(nn.Module):
-    def __init__(self, experts, dim):
+    def __init__(self, experts, dim, z_loss):
         super().__init__()
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = Experts(experts, dim)
+        self.z_loss = z_loss
 
     def forward(self, x):
         flat = x.flatten(0, 1)
-        weights, chosen = self.router(flat).softmax(-1).topk(2, dim=-1)
+        logits = self.router(flat)
+        weights, chosen = logits.softmax(-1).topk(2, dim=-1)
         order = chosen.flatten().argsort(stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=self.router.out_features)
         token = order // 2
         out = self.experts(flat[token], counts) * weights.flatten()[order, None]
-        return torch.zeros_like(flat).index_add(0, token, out).view_as(x)
+        out = torch.zeros_like(flat).index_add(0, token, out).view_as(x)
+        if not self.z_loss:
+            return out
+        return add_loss(out, self.z_loss * logits.logsumexp(-1).square().mean())  # the router's z-loss
 
 
 class Block(nn.Module):
-    def __init__(self, dim, experts):
+    def __init__(self, dim, experts, z_loss):
         super().__init__()
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
-        self.moe = TopTwo(experts, dim) if experts else None
+        self.moe = TopTwo(experts, dim, z_loss) if experts else None
 
     def forward(self, x, document_ids=None):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
@@ -62,11 +68,11 @@ class Block(nn.Module):
 
 
 class Bare(nn.Module):
-    def __init__(self, vocab, dim, layers, seq, experts):
+    def __init__(self, vocab, dim, layers, seq, experts, z_loss):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.stack = nn.ModuleDict({str(i): Block(dim, experts) for i in range(layers)})
+        self.stack = nn.ModuleDict({str(i): Block(dim, experts, z_loss) for i in range(layers)})
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens, document_ids=None):
@@ -79,7 +85,8 @@ class Bare(nn.Module):
 @hookimpl
 def describe_model(model_config, vocab_size, seq_len):
     experts = model_config.get("experts", 0)
-    return ModelDescription(family="bare", args=(vocab_size, model_config.dim, model_config.layers, seq_len, experts),
+    return ModelDescription(family="bare", args=(vocab_size, model_config.dim, model_config.layers, seq_len, experts,
+                                                 model_config.z_loss),
                             n_layers=model_config.layers, blocks="stack", attention=CORE_ATTENTION,
                             experts=ExpertsLayout(module="moe.experts", count=experts) if experts else None,
                             param_init=lambda name: ParamInit.constant(0.0) if name.endswith("bias")
@@ -144,7 +151,8 @@ def apply_paralelism(model_parts):
 def outsiders(tmp_path):
     return install_plugins(tmp_path / "site", {"probe": (PROBE, "lr: 5.0e-4\nout: null\n"), "typo": (TYPO, "")},
                            distribution="outsider", models={"bare": (BARE_MODEL, {"bare_tiny": "name: bare\ndim: 32\n"
-                                                                                               "layers: 2\nexperts: 0\n"})})
+                                                                                               "layers: 2\nexperts: 0\n"
+                                                                                               "z_loss: 0.0\n"})})
 
 
 BARE = [*TINY, "model=bare_tiny"]
@@ -153,11 +161,14 @@ BARE = [*TINY, "model=bare_tiny"]
 @pytest.mark.slow
 def test_an_outside_mixture_of_experts_trains_expert_parallel_like_one_process(tmp_path, outsiders):
     """The experts contract of docs/writing-models.md: a module of all experts called with the copies sorted
-    by expert. Under ep each rank's module holds 2 of the 4 experts and sees counts of length 2."""
-    moe = [*BARE, "model.experts=4"]
+    by expert. Under ep each rank's module holds 2 of the 4 experts and sees counts of length 2. The router
+    adds a z-loss through titan_core.objective.add_loss: under two accumulated micro-batches its gradient
+    must count once, as in the single pass of the reference (weighted 1 instead of 1/2, the weights end
+    7e-3 apart)."""
+    moe = [*BARE, "model.experts=4", "model.z_loss=1.0"]
     reference = run_job(moe, tmp_path / "one", env=outsiders)
-    result = run_job([*moe, "+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"], tmp_path / "ep",
-                     env=outsiders)
+    result = run_job([*moe, "+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=2",
+                      "training.grad_accum_steps=2"], tmp_path / "ep", env=outsiders)
     assert "holds experts 2-3 of 4 in each of 2 blocks" in (result.run_dir / "logs" / "rank1.log").read_text()
     report = compare(result, reference)
     assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
