@@ -272,9 +272,11 @@ TWO_MICRO_BATCHES = "training.grad_accum_steps=2"
     ("+plugins=[fsdp,tp,compile]", "plugins.fsdp.degree=1", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false",
      "plugins.tp.loss_parallel=false", TWO_MICRO_BATCHES),
     # cp ranks hold halves of each sequence and their gradients are averaged; the pipeline's two micro-batches
-    # weight every forward's loss by 1/2, like the accumulation steps of the reference.
-    ("+plugins=[cp,pp]", "plugins.cp.degree=2", "plugins.pp.degree=2"),
-], ids=["tp2-compile", "cp2-pp2"])
+    # weight every forward's loss by 1/2, like the accumulation steps of the reference. Expert parallel
+    # (borrowing cp's ranks) and selective AC, which reruns each layer's forward and its count all-reduce.
+    ("+plugins=[fsdp,cp,pp,ep,ac]", "plugins.fsdp.degree=1", "plugins.cp.degree=2", "plugins.pp.degree=2",
+     "plugins.ep.degree=2", "plugins.ac.mode=selective_op"),
+], ids=["tp2-compile", "cp2-pp2-ep2-ac"])
 def test_balance_loss_trains_like_one_process(stack, titan_reference, tmp_path):
     result = run_job([*TINY, *BALANCED, *stack], tmp_path / "run")
     reference = titan_reference((*BALANCED, TWO_MICRO_BATCHES))
