@@ -2,15 +2,10 @@
 field, before anything starts; the defaults pass."""
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from titan_core.errors import ConfigError
 from titan_core.run import NUMBERS, check_numbers
-
-
-def config(*overrides):
-    with initialize_config_module("titan_core.conf", version_base=None):
-        return compose("config", overrides=list(overrides))
+from titan_core.testing import compose as config, config_error as refusal
 
 
 BAD = {
@@ -27,6 +22,8 @@ BAD = {
     "launch.world_size": "0",
     "launch.max_restarts": "-1",
     "launch.cpu_threads_per_worker": "true",
+    "launch.init_timeout_s": "0",
+    "launch.hang_timeout_s": "-5",
 }
 
 
@@ -65,3 +62,96 @@ def test_enabled_plugins_known_presets_and_own_configs_pass(argv):
     from titan_core.run import check_command_line
 
     check_command_line(argv)
+
+
+# Values each option of every shipped plugin refuses (options without a default: a wrong kind too), with the
+# base a plugin needs to be planned at all.
+PLUGIN_BAD = {
+    "plugins.ac.mode": "partial", "plugins.ac.every": "0", "plugins.ac.save_ops": "[not_an_op]",
+    "plugins.checkpoint.folder": "7", "plugins.checkpoint.interval": "-1", "plugins.checkpoint.keep_latest_k": "-1",
+    "plugins.checkpoint.async_save": "1", "plugins.checkpoint.load_path": ("/nonexistent/run", "7"),
+    "plugins.checkpoint.load_parts": "[weights]", "plugins.checkpoint.final_model_only": "yes",
+    "plugins.checkpoint.export_dtype": "int8", "plugins.checkpoint.export_hf": "2",
+    "plugins.chunked_loss.chunk_tokens": "0",
+    "plugins.compile.backend": "nope", "plugins.compile.mode": "fast", "plugins.compile.fullgraph": "1",
+    "plugins.compile.compile_loss": "no",
+    "plugins.cp.degree": "0", "plugins.cp.rotate_method": "ring", "plugins.cp.load_balance": "1",
+    "plugins.ep.degree": "0",
+    "plugins.float8.recipe": "fp4", "plugins.float8.filter_fqns": "output",
+    "plugins.float8.fsdp_float8_all_gather": "1",
+    "plugins.fsdp.degree": "0", "plugins.fsdp.replicate_degree": "0", "plugins.fsdp.param_dtype": "int8",
+    "plugins.fsdp.reduce_dtype": "float64", "plugins.fsdp.reshard_after_forward": "sometimes",
+    "plugins.fsdp.cpu_offload": "1", "plugins.fsdp.prefetch": "-1",
+    "plugins.pp.degree": "0", "plugins.pp.schedule": "Zigzag", "plugins.pp.microbatches": ("0", "abc"),
+    "plugins.pp.stages_per_rank": ("0", "1.5"), "plugins.pp.layers_per_stage": ("0", "true"), "plugins.pp.first_stage_fewer_layers": "-1",
+    "plugins.pp.last_stage_fewer_layers": "2.5", "plugins.pp.placement": ("zigzag", "7"),
+    "plugins.simplefsdp.degree": "-2", "plugins.simplefsdp.replicate_degree": "0",
+    "plugins.simplefsdp.param_dtype": "int8", "plugins.simplefsdp.reduce_dtype": "half",
+    "plugins.tp.degree": "abc", "plugins.tp.sequence_parallel": "1", "plugins.tp.loss_parallel": "2",
+    "plugins.tp.async_tp": "maybe",
+}
+PLUGIN_BASE = {"ep": ["model=qwen3_moe_tiny", "+plugins=[fsdp,ep]"], "simplefsdp": ["+plugins=[simplefsdp]"],
+               "fsdp": ["+plugins=[fsdp]"]}
+TINY_WORLD = ["model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "launch.world_size=4"]
+
+
+def test_every_option_of_every_shipped_plugin_has_a_bad_value_here():
+    from titan_core.schema import option_files, plugin_defaults
+
+    shipped = {f"plugins.{name}.{key}" for name in option_files("plugins") for key in plugin_defaults(name)}
+    assert set(PLUGIN_BAD) == shipped - {f"plugins.{name}._plugin_" for name in option_files("plugins")}
+
+
+@pytest.mark.parametrize("field, value", [(field, value) for field, values in sorted(PLUGIN_BAD.items())
+                                          for value in ((values,) if isinstance(values, str) else values)])
+def test_a_bad_plugin_option_is_refused_naming_it(field, value):
+    plugin = field.split(".")[1]
+    base = PLUGIN_BASE.get(plugin, [f"+plugins=[fsdp,{plugin}]"])
+    error = refusal(*TINY_WORLD, *base, f"{field}={value}")
+    assert error.field == field, error
+
+
+def every_option(group: str) -> list[tuple[str, object]]:
+    """(field, default) of every option with a default in the core's sections or the model families."""
+    from titan_core.schema import CORE_SECTIONS, core_defaults, family_defaults, option_files, preset_family
+
+    if group == "core":
+        return [(f"{s}.{k}", v) for s in CORE_SECTIONS for k, v in core_defaults()[s].items() if v is not None]
+    families = sorted({preset_family(p) for p in option_files("model")})
+    return [(f"model.{k}", v, family) for family in families for k, v in family_defaults(family)[0].items()
+            if v is not None and k != "name"]
+
+
+@pytest.mark.parametrize("field, default", every_option("core"))
+def test_a_core_option_of_another_kind_is_refused(field, default):
+    wrong = "'7'" if not isinstance(default, str) else "7"
+    assert refusal(*TINY_WORLD, f"{field}={wrong}").field == field
+
+
+@pytest.mark.parametrize("field, default, family", every_option("model"))
+def test_a_model_option_of_another_kind_is_refused(field, default, family):
+    from titan_core.schema import check_config_kinds, option_files, preset_family
+
+    preset = next(p for p in sorted(option_files("model")) if preset_family(p) == family)
+    wrong = "'7'" if not isinstance(default, str) else "7"
+    with pytest.raises(ConfigError) as error:
+        check_config_kinds(config(f"model={preset}", f"{field}={wrong}"))
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("training.stesp", "training.steps"), ("plugins.tp.degre", "plugins.tp.degree"), ("model.dimm", "model.dim"),
+    ("optimiser.lr", "optimizer"), ("model.hidden_sise", "model.hidden_size"),
+])
+def test_a_misspelled_key_names_the_nearest_option(key, suggestion):
+    argv = ["+plugins=[tp]", "model=qwen3_tiny"] if key.endswith("sise") else ["+plugins=[tp]"]
+    error = refusal(*argv, f"{key}=2")
+    assert str(error).startswith(f"{key.split('.')[0] if key.startswith('optimiser') else key}: is not an option")
+    assert f"did you mean {suggestion}" in str(error), error
+
+
+def test_null_is_taken_only_where_it_means_something():
+    from titan_core.schema import check_config_kinds
+
+    check_config_kinds(config("training.max_norm=null", "model.vocab_size=null", "model=8B"))
+    assert refusal(*TINY_WORLD, "training.seq_len=null").field == "training.seq_len"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -81,9 +83,21 @@ class ParallelMesh:
         return 0 if mesh is None else mesh.get_local_rank()
 
 
-def device_for_rank(local_rank: int) -> torch.device:
-    """CUDA device of this local rank when there is one, else the CPU."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def device_kind(configured: str | None) -> str:
+    """``launch.device``: cuda or cpu as set, null for cuda when the machine has it."""
+    return configured or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_for_rank(local_rank: int, configured: str | None) -> torch.device:
+    """This local rank's own GPU, or the CPU."""
+    if device_kind(configured) == "cpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group of this rank (the mesh's sub-groups included) fails a collective that waits
+    longer than ``seconds``: a rank that hangs ends the job instead of holding it forever."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -10,7 +10,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
-from importlib.resources import files
 
 import pluggy
 import torch
@@ -18,10 +17,11 @@ import torch
 from titan_core import defaults, hookspecs
 from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
+from titan_core.mesh import device_kind
+from titan_core.schema import CONF_GROUP, option_files
 
 PLUGIN_GROUP = "titan_core.plugins"
 MODEL_GROUP = "titan_core.models"
-CONF_GROUP = "titan_core.conf"
 DEFAULTS = "titan_core.defaults"
 # Every plugin option file carries this key, so that nodes made by `++plugins.x.y=...` are told apart.
 PLUGIN_MARKER = "_plugin_"
@@ -155,12 +155,7 @@ def _entry_points(group: str, field_prefix: str) -> dict[str, EntryPoint]:
 def config_options(group: str) -> set[str]:
     """Names of the ``<group>/<name>.yaml`` options (``plugins``, ``model``) that the core and the installed
     distributions ship."""
-    names = set()
-    for package in ("titan_core.conf", *(ep.value for ep in entry_points(group=CONF_GROUP))):
-        folder = files(package).joinpath(group)
-        if folder.is_dir():
-            names |= {f.name[:-5] for f in folder.iterdir() if f.name.endswith(".yaml")}
-    return names
+    return set(option_files(group))
 
 
 def check_plugin_names(names) -> None:
@@ -317,7 +312,8 @@ def build_plan(config, pm: pluggy.PluginManager, world_size: int | None, vocab_s
 
     _check_capabilities(planned)
     dimensions = _dimensions(planned)
-    mesh_shape, borrowing = _mesh_shape(planned, dimensions, world_size, config.launch.get("world_size"))
+    local_gpus = torch.cuda.device_count() if device_kind(config.launch.get("device")) == "cuda" else 0
+    mesh_shape, borrowing = _mesh_shape(planned, dimensions, world_size, config.launch.get("world_size"), local_gpus)
     plan = Plan(tuple(planned), mesh_shape, math.prod(mesh_shape.values()), description, borrowing,
                 {dim: dimensions[dim] for dim in (*mesh_shape, *borrowing)})
     for p in planned:
@@ -366,7 +362,7 @@ def _dimensions(planned: list[PlannedPlugin]) -> dict[str, MeshDimension]:
 
 
 def _mesh_shape(planned: list[PlannedPlugin], dimensions: dict[str, MeshDimension], world_size: int | None,
-                configured_world: int | None) -> tuple[dict[str, int], dict[str, int]]:
+                configured_world: int | None, local_gpus: int) -> tuple[dict[str, int], dict[str, int]]:
     """The degrees of the dimensions that multiply to the world, in mesh order, and of those that borrow."""
     degrees: dict[str, tuple[int, str]] = {}
     for p in planned:
@@ -392,7 +388,7 @@ def _mesh_shape(planned: list[PlannedPlugin], dimensions: dict[str, MeshDimensio
                           "give the others explicit degrees")
     if fill:
         owner = degrees[fill[0]][1]
-        world = world or torch.cuda.device_count() or None
+        world = world or local_gpus or None
         if world is None:
             raise ConfigError(f"plugins.{owner}.degree", f"-1 needs a world size to fill ({fill[0]})",
                               "give an explicit degree, or set launch.world_size=N, or run under torchrun")

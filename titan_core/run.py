@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
@@ -24,7 +25,9 @@ from titan_core.data import check_documents, load_tokenizer
 from titan_core.defaults import ADAMW_IMPLEMENTATIONS
 from titan_core.description import CORE_ATTENTION
 from titan_core.errors import ConfigError
+from titan_core.mesh import device_kind
 from titan_core.plan import Plan, build_plan, check_plugin_names, config_options, plugin_manager
+from titan_core.schema import check_config_kinds, check_key, default_preset
 from titan_core.searchpath import PluginConfigSearchPath
 
 EXIT_BAD_INPUT = 2
@@ -68,6 +71,8 @@ NUMBERS = (
     ("launch.world_size", lambda v: v is None or _count(v) and v >= 1, "a positive integer, or null"),
     ("launch.max_restarts", lambda v: _count(v) and v >= 0, "an integer >= 0"),
     ("launch.cpu_threads_per_worker", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("launch.init_timeout_s", lambda v: _number(v) and v > 0, "a positive number of seconds"),
+    ("launch.hang_timeout_s", lambda v: _number(v) and v > 0, "a positive number of seconds"),
 )
 
 
@@ -102,6 +107,24 @@ def check_job(config, plan: Plan) -> None:
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")
     check_documents(config.data)
+    check_devices(config.launch, plan.world_size)
+
+
+def check_devices(launch, world_size: int) -> None:
+    """The device kind exists here and each local rank gets a GPU of its own."""
+    if launch.device not in (None, "cpu", "cuda"):
+        raise ConfigError("launch.device", f"unknown device '{launch.device}'", "use cpu, cuda or null")
+    kind = device_kind(launch.device)
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("launch.device", "this machine has no CUDA device", "set launch.device=cpu (or null)")
+    if kind == "cpu" and launch.backend == "nccl":
+        raise ConfigError("launch.backend", "nccl needs CUDA devices and this job runs on the CPU",
+                          "set launch.backend=gloo (or null)")
+    local_ranks = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else world_size
+    if kind == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ConfigError("launch.world_size", f"{local_ranks} ranks on this machine but {torch.cuda.device_count()} "
+                          "GPU(s): two ranks would share one", "start at most one rank per GPU (torchrun "
+                          "--nproc-per-node, launch.world_size, the degrees), or set launch.device=cpu")
 
 
 def check_attention_mask(mask: str, plan: Plan) -> None:
@@ -129,6 +152,7 @@ def check_optimizer(optimizer) -> None:
 def prepare(config) -> Plan:
     """Validate everything and return the plan; raises ConfigError on bad input."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    check_config_kinds(config)
     vocab_size = load_tokenizer(config.tokenizer).vocab_size
     plan = build_plan(config, plugin_manager(config), world_size, vocab_size)
     check_job(config, plan)
@@ -176,6 +200,7 @@ def launch_local_workers(config_path: Path, run_dir: Path, world_size: int, max_
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")))
+    _agent_logs_to(run_dir / "elastic" / "agent.log")
     try:
         elastic_launch(launch_config, worker_main)(str(config_path), str(run_dir))
     except ChildFailedError as error:
@@ -185,6 +210,19 @@ def launch_local_workers(config_path: Path, run_dir: Path, world_size: int, max_
             if failure.message:
                 print(f"  {str(failure.message).strip().splitlines()[-1]}", file=sys.stderr)
         sys.exit(1)
+
+
+def _agent_logs_to(path: Path) -> None:
+    """torch's elastic agent logs each failure as a traceback of its own polling and each stop of a worker;
+    the failing rank's one line and ours below say what to act on, so the agent's records go to a file."""
+    import logging
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = [handler], False
 
 
 def _overrides(argv: list[str]) -> list:
@@ -214,11 +252,13 @@ OWN_CONFIG_FLAGS = ("--config-name", "-cn", "--config-dir", "-cd", "--config-pat
 
 def check_command_line(argv: list[str]) -> None:
     """What Hydra would refuse with a multi-line dump, refused in one line before it composes anything: an
-    option of a plugin that is not enabled, a model preset that does not exist, a plugin not installed."""
+    option of a plugin that is not enabled, a model preset that does not exist, a plugin not installed, a
+    misspelled key (with the nearest real one)."""
     plugins = requested_plugins(argv)
     check_plugin_names(plugins)
     if any(arg.split("=")[0] in OWN_CONFIG_FLAGS for arg in argv):
         return
+    presets = [p for o in _overrides(argv) if o.key_or_group == "model" for p in _names(o.value())]
     for override in _overrides(argv):
         key = override.key_or_group
         changes = not (override.is_add() or override.is_force_add() or override.is_delete())
@@ -227,12 +267,15 @@ def check_command_line(argv: list[str]) -> None:
             raise ConfigError(f"plugins.{name}", "is set but the plugin is not enabled",
                               f"enable it with +plugins=[{name}] (or remove the override)")
         if key == "model" and changes:
-            presets = config_options("model")
+            known = config_options("model")
             for preset in _names(override.value()):
-                if preset not in presets:
+                if preset not in known:
                     raise ConfigError("model", f"no model preset is named '{preset}' (presets: "
-                                      f"{', '.join(sorted(presets))})", "pick one of them, or install the model "
+                                      f"{', '.join(sorted(known))})", "pick one of them, or install the model "
                                       "plugin that ships it")
+        if changes and "." in key:
+            for preset in presets or [default_preset()]:
+                check_key(key, preset)
 
 
 def main() -> None:

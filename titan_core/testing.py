@@ -33,7 +33,8 @@ import pytest
 # A model and batch small enough that four processes run five steps in seconds on two cores.
 TINY = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8",
         "training.steps=5", "optimizer.lr=1e-3", "optimizer.weight_decay=0.0", "lr_scheduler.warmup_steps=1",
-        "metrics.log_every=1", "metrics.tensorboard=false", "metrics.peak_tflops=1", "testing.save_final_weights=true")
+        "metrics.log_every=1", "metrics.tensorboard=false", "metrics.peak_tflops=1", "testing.save_final_weights=true",
+        "launch.device=cpu")  # gloo on the CPU on any machine: the parity references are CPU runs
 
 
 @dataclass
@@ -91,6 +92,28 @@ def run_job(overrides, run_dir: Path, *, expect_success: bool = True, env: dict 
         raise AssertionError(f"{' '.join(command)} exited {completed.returncode}\n"
                              f"--- stdout\n{completed.stdout[-3000:]}\n--- stderr\n{completed.stderr[-5000:]}")
     return result
+
+
+def compose(*overrides: str):
+    """The job config of ``overrides`` as the launcher composes it, in this process."""
+    from hydra import compose as hydra_compose, initialize_config_module
+
+    import titan_core.run  # noqa: F401  (registers the plugins' config search path with Hydra)
+
+    with initialize_config_module("titan_core.conf", version_base=None):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def config_error(*overrides: str):
+    """The ConfigError the launcher refuses ``overrides`` with, found its way in this process (no worker, no
+    subprocess: a table of bad values costs milliseconds per row)."""
+    from titan_core.errors import ConfigError
+    from titan_core.run import check_command_line, prepare
+
+    with pytest.raises(ConfigError) as error:
+        check_command_line(list(overrides))
+        prepare(compose(*overrides))
+    return error.value
 
 
 def error_line(result: JobResult) -> str:

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from titan_core.attention import document_ids
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
 from titan_core import objective
-from titan_core.mesh import ParallelMesh, device_for_rank
+from titan_core.mesh import ParallelMesh, device_for_rank, set_collective_timeout
 from titan_core.metrics import MetricsLogger
 from titan_core.init import init_weights
 from titan_core.plan import Hooks, build_plan, plugin_manager
@@ -50,13 +51,14 @@ def worker_main(config_path: str, run_dir: str) -> None:
 
 def train(config, run_dir: Path) -> None:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)))
+    device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), config.launch.device)
     _configure_logging(run_dir, rank)
     if device.type == "cpu" and world_size > 1:
         torch.set_num_threads(config.launch.cpu_threads_per_worker)
     backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, store=_rendezvous_store(rank, world_size), rank=rank, world_size=world_size,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None,
+                            timeout=timedelta(seconds=config.launch.init_timeout_s))
     try:
         pm = plugin_manager(config)
         tokenizer = load_tokenizer(config.tokenizer)
@@ -68,6 +70,16 @@ def train(config, run_dir: Path) -> None:
         log.error("%s", error)
         print(f"titan-core: {kind}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(code) from None
+    except Exception as error:
+        # The traceback goes to this rank's log; the console gets one line, with the likely cause of a timeout.
+        log.exception("rank %d failed", rank)
+        message = str(error).lower()
+        hint = (f" (a collective waited past its timeout, launch.hang_timeout_s={config.launch.hang_timeout_s}: "
+                "another rank stopped responding, or died)" if "timed out" in message else
+                " (another rank ended first: its own line says why)" if "connection closed" in message else "")
+        print(f"titan-core: rank {rank} failed: {type(error).__name__}: {str(error).strip().splitlines()[-1]}{hint}; "
+              f"traceback in {run_dir / 'logs' / f'rank{rank}.log'}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
 
@@ -94,6 +106,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
+    set_collective_timeout(config.launch.init_timeout_s)
 
     with torch.device("meta"):
         model = hooks.first("build_model", description=plan.model)
@@ -127,6 +140,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
 
     metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
                             plan.model.flops_per_token(training.seq_len), first_step=state.step)
+    first_step = state.step + 1
     while state.step < training.steps:
         state.step += 1
         inputs, labels = next(dataloader)
@@ -162,6 +176,8 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
                 extra.update(answer)
         logged = metrics.step(state.step, loss, grad_norm, lr, extra)
         hooks.each("on_step_end", step=state.step, metrics=logged, config=config)
+        if state.step == first_step:  # compiled and warmed up: from now on a long wait means a hung rank
+            set_collective_timeout(config.launch.hang_timeout_s)
         if state.step < training.steps:
             hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False)
     hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True)
@@ -242,6 +258,7 @@ def _configure_logging(run_dir: Path, rank: int) -> None:
     handlers = [logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
+        handlers[-1].addFilter(lambda record: not record.exc_info)  # tracebacks stay in the file
     for handler in handlers:
         handler.setFormatter(fmt)
         logger.addHandler(handler)

@@ -44,7 +44,7 @@ def validate(plugin_config, plan):
                           "remove ac from +plugins=[...], or describe the model's blocks")
     if plugin_config.mode not in MODES:
         raise ConfigError("plugins.ac.mode", f"unknown mode '{plugin_config.mode}'", f"use one of {', '.join(MODES)}")
-    if plugin_config.mode == "selective_layer" and not (isinstance(plugin_config.every, int) and plugin_config.every >= 1):
+    if plugin_config.every < 1:
         raise ConfigError("plugins.ac.every", f"{plugin_config.every!r} is not a positive integer",
                           "checkpoint every k-th block with k >= 1 (1: every block)")
     if plugin_config.mode == "selective_op" and plan.provides(SPLIT_BACKWARD):

@@ -1,7 +1,8 @@
 """Checkpoints: exact resume, resharding between plans, crashes mid-run and mid-save, guards.
 
 Faults are injected by a throwaway plugin installed for the test (``faults``): it kills a rank with
-SIGKILL after a step, kills it inside the checkpoint writer, or turns one step's logits into NaN.
+SIGKILL after a step, freezes it with SIGSTOP, raises on it, kills it inside the checkpoint writer, or
+turns one step's logits into NaN.
 """
 
 import json
@@ -48,6 +49,10 @@ def on_step_end(step, config):
         return
     if options.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if options.kind == "stop":  # hung: alive, holding its sockets, answering nothing
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if options.kind == "raise":
+        raise RuntimeError(f"injected failure after step {step}")
     if options.kind == "kill_in_save":  # this step's checkpoint writer dies before it writes a byte
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -213,6 +218,31 @@ def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path,
     result = run_job(job(FSDP2, *options, *fault, faults=True), tmp_path, env=env)
     assert "checkpoints/step-4: continuing after step 4" in (tmp_path / "logs" / "rank0.log").read_text()
     assert_same_weights(result.final_weights(), uninterrupted(FSDP2, *options).final_weights())
+
+
+def test_a_hung_rank_times_out_and_the_restarted_job_finishes_like_an_uninterrupted_run(tmp_path, faults,
+                                                                                      uninterrupted):
+    env, fault = faults("stop", at_step=5, rank=1)
+    options = ("plugins.checkpoint.interval=2", "launch.max_restarts=1")
+    result = run_job(job(FSDP2, *options, *fault, "launch.hang_timeout_s=2", faults=True), tmp_path, env=env)
+    assert ("titan-core: rank 0 failed: " in result.stderr and "Timed out waiting 2000ms" in result.stderr
+            and "launch.hang_timeout_s=2" in result.stderr), result.stderr[-3000:]  # rank 0 gave up on rank 1
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "Traceback" in log and "checkpoints/step-4: continuing after step 4" in log
+    assert_same_weights(result.final_weights(), uninterrupted(FSDP2, *options).final_weights())
+
+
+def test_a_rank_that_fails_ends_the_job_without_the_others_waiting(tmp_path, faults):
+    env, fault = faults("raise", at_step=3, rank=0)
+    # Rank 1 goes on into step 4's collectives; a job held until its timeout would overrun run_job's.
+    result = run_job(job(FSDP2, *fault, "launch.hang_timeout_s=3600", faults=True), tmp_path, env=env,
+                     expect_success=False, timeout=120)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("titan-core:")]
+    assert lines[0].startswith("titan-core: rank 0 failed: RuntimeError: injected failure after step 3; "
+                               "traceback in "), result.stderr[-3000:]
+    assert any(line.startswith("titan-core: worker rank 0 failed (exit code 1)") for line in lines), lines
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, faults, uninterrupted):

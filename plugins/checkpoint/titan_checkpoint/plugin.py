@@ -49,7 +49,7 @@ def declare():
 def validate(config, plugin_config, plan):
     for field, least in (("interval", 0), ("keep_latest_k", 0)):
         value = plugin_config[field]
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        if value < least:
             raise ConfigError(f"plugins.checkpoint.{field}", f"{value!r} is not an integer >= {least}",
                               f"set an integer >= {least} (0 turns it off)")
     float_dtype(plugin_config.export_dtype, "plugins.checkpoint.export_dtype")
@@ -59,6 +59,9 @@ def validate(config, plugin_config, plan):
     if plugin_config.export_hf and plan.model.hf is None:
         raise ConfigError("plugins.checkpoint.export_hf", lacks(plan.model, "hf", "Hugging Face export"),
                           "set plugins.checkpoint.export_hf=false")
+    if plugin_config.load_path is not None and not isinstance(plugin_config.load_path, str):
+        raise ConfigError("plugins.checkpoint.load_path", f"{plugin_config.load_path!r} is not a path",
+                          "set a folder path (quoted if it looks like a number), or null")
     if plugin_config.load_path:
         kind, path = checkpoint_to_load(Path(plugin_config.load_path).expanduser())
         expected = {f"model.{k}": tuple(v.shape) for k, v in build_meta_model(config, plan.model).state_dict().items()}

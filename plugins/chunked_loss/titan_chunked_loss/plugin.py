@@ -48,7 +48,7 @@ def validate(plugin_config, plan):
     if plan.model.logits is None:
         raise ConfigError("plugins.chunked_loss", lacks(plan.model, "logits", "chunked cross entropy"),
                           "remove chunked_loss from +plugins=[...]")
-    if not isinstance(plugin_config.chunk_tokens, int) or plugin_config.chunk_tokens < 1:
+    if plugin_config.chunk_tokens < 1:
         raise ConfigError("plugins.chunked_loss.chunk_tokens", f"{plugin_config.chunk_tokens!r} is not a positive "
                           "integer", "set the number of tokens whose logits are computed at once, e.g. 1024")
 

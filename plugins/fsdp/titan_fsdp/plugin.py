@@ -11,7 +11,7 @@ from titan_core import ConfigError, Declaration, hookimpl
 from titan_core.capabilities import DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL, SPLIT_BACKWARD
 from titan_core.data_parallel import replicated_over
 from titan_core.description import lacks
-from titan_core.options import FLOAT_DTYPES, float_dtype
+from titan_core.options import FLOAT_DTYPES, float_dtype, replica_count
 
 STAGE = 600  # last: it shards whatever the transforms before it (TP, AC, compile) produced
 RESHARD = ("default", "always", "never")
@@ -20,7 +20,7 @@ RESHARD = ("default", "always", "never")
 @hookimpl
 def declare(plugin_config):
     mesh = {"dp_shard": plugin_config.degree}
-    if plugin_config.replicate_degree != 1:
+    if replica_count(plugin_config.replicate_degree, "plugins.fsdp.replicate_degree") != 1:
         mesh["dp_replicate"] = plugin_config.replicate_degree
     return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL}))
 

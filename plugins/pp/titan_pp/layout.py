@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_core import ConfigError
+from titan_core.options import count_or_null
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ def stage_layout(plugin_config, n_layers: int, degree: int) -> Layout:
     """The layout of ``plugins.pp``; raises ConfigError when the blocks or stages do not fit the schedule."""
     kind = schedule_kind(plugin_config)
     name = plugin_config.schedule
+    for field, null in (("microbatches", "one per stage"), ("stages_per_rank", "what the schedule needs"),
+                        ("layers_per_stage", "an even split")):
+        count_or_null(plugin_config[field], f"plugins.pp.{field}", null)
     first, last = plugin_config.first_stage_fewer_layers, plugin_config.last_stage_fewer_layers
     for field, value in (("first_stage_fewer_layers", first), ("last_stage_fewer_layers", last)):
         if value < 0:
@@ -83,7 +87,7 @@ def stage_layout(plugin_config, n_layers: int, degree: int) -> Layout:
     starts = [sum(sizes[:i]) for i in range(num_stages)]
     blocks = tuple(tuple(range(start, start + size)) for start, size in zip(starts, sizes))
     _check_placement(plugin_config, kind)
-    microbatches = plugin_config.microbatches or num_stages
+    microbatches = num_stages if plugin_config.microbatches is None else plugin_config.microbatches
     _check_microbatches(name, kind, microbatches, num_stages, degree)
     return Layout(degree, stages_per_rank, kind.v_shape, blocks, microbatches)
 
@@ -92,7 +96,7 @@ def _stages_per_rank(plugin_config, kind: ScheduleKind, slots: int, degree: int)
     name, given = plugin_config.schedule, plugin_config.stages_per_rank
     if plugin_config.layers_per_stage is not None:
         per = plugin_config.layers_per_stage
-        if per < 1 or slots % per or (slots // per) % degree:
+        if slots % per or (slots // per) % degree:
             raise ConfigError("plugins.pp.layers_per_stage",
                               f"{slots} block slots in stages of {per} do not give a multiple of pp degree {degree} "
                               "stages", "choose layers_per_stage so that the stage count is a multiple of the degree")
@@ -103,8 +107,6 @@ def _stages_per_rank(plugin_config, kind: ScheduleKind, slots: int, degree: int)
         given = derived
     if given is None:
         given = 2 if kind.looped else 1
-    if given < 1:
-        raise ConfigError("plugins.pp.stages_per_rank", f"{given} is not a positive integer", "use 1 or more")
     if kind.v_shape and given != 2:
         raise ConfigError("plugins.pp.stages_per_rank", f"{name} needs exactly 2 stages per rank, got {given}",
                           "set stages_per_rank=2 (or layers_per_stage giving 2 stages per rank)")
@@ -127,8 +129,6 @@ def _check_placement(plugin_config, kind: ScheduleKind) -> None:
 
 
 def _check_microbatches(name: str, kind: ScheduleKind, microbatches: int, num_stages: int, degree: int) -> None:
-    if microbatches < 1:
-        raise ConfigError("plugins.pp.microbatches", f"{microbatches} is not a positive integer", "use 1 or more")
     if kind.needs_stage_many_microbatches and microbatches < num_stages:
         raise ConfigError("plugins.pp.microbatches", f"{name} needs at least as many micro-batches as stages "
                           f"({num_stages}), got {microbatches}", f"set microbatches to {num_stages} or more")

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from titan_core import Declaration, hookimpl
 from titan_core.capabilities import DATA_PARALLEL_SHARDING
-from titan_core.options import FLOAT_DTYPES, float_dtype
+from titan_core.options import FLOAT_DTYPES, float_dtype, replica_count
 
 STAGE = 600  # last, like FSDP: it shards whatever parameters the earlier transforms produced
 
@@ -32,7 +32,7 @@ STAGE = 600  # last, like FSDP: it shards whatever parameters the earlier transf
 @hookimpl
 def declare(plugin_config):
     mesh = {"dp_shard": plugin_config.degree}
-    if plugin_config.replicate_degree != 1:
+    if replica_count(plugin_config.replicate_degree, "plugins.simplefsdp.replicate_degree") != 1:
         mesh["dp_replicate"] = plugin_config.replicate_degree
     return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING}))
 
