@@ -47,6 +47,13 @@ def test_the_defaults_and_the_nulls_pass():
     (["plugins.ep.degree=2"], "plugins.ep: is set but the plugin is not enabled; fix: enable it with +plugins=[ep]"),
     (["-m", "plugins.fsdp.degree=2,4"], "plugins.fsdp: is set but the plugin is not enabled"),
     (["model=qwen3_tin"], "model: no model preset is named 'qwen3_tin' (presets: 405B, 70B, 8B, debug,"),
+    (["training.steps=["], "command line: no viable alternative at input '['; fix: see docs/config.md; Hydra's"),
+    (["+training.steps=3"], "command line: Could not append to config. An item is already at 'training.steps'.; "
+                            "fix: drop the '+'"),
+    (["plugins=[fsdp]"], "command line: Could not override 'plugins'. No match in the defaults list.; fix: to "
+                         "append to your default list use +plugins=['fsdp']"),
+    (["hydra.foo=1"], "command line: Could not override 'hydra.foo'."),
+    (["~training"], "training: is the core's and cannot be removed"),
 ])
 def test_what_hydra_would_dump_is_one_line_before_it_composes(argv, message):
     from titan_core.run import check_command_line
@@ -57,7 +64,8 @@ def test_what_hydra_would_dump_is_one_line_before_it_composes(argv, message):
 
 
 @pytest.mark.parametrize("argv", [["+plugins=[ep,fsdp]", "plugins.ep.degree=2"], ["-m", "model=tiny,qwen3_moe_tiny"],
-                                  ["--config-name=mine", "plugins.fsdp.degree=2"]])
+                                  ["--config-name=mine", "plugins.fsdp.degree=2"], ["hydra.run.dir=/tmp/x"],
+                                  ["++training.extra=1"]])
 def test_enabled_plugins_known_presets_and_own_configs_pass(argv):
     from titan_core.run import check_command_line
 
@@ -155,3 +163,34 @@ def test_null_is_taken_only_where_it_means_something():
 
     check_config_kinds(config("training.max_norm=null", "model.vocab_size=null", "model=8B"))
     assert refusal(*TINY_WORLD, "training.seq_len=null").field == "training.seq_len"
+
+
+# The core's other fields: one command line each that is refused naming the field.
+CORE_BAD = {
+    "training.steps": ["training.steps=-1"], "training.global_batch_size": ["training.global_batch_size=0"],
+    "training.seq_len": ["training.seq_len=0"], "training.grad_accum_steps": ["training.grad_accum_steps=0"],
+    "training.deterministic": ["training.deterministic=1"], "training.attention_mask": ["training.attention_mask=full"],
+    "optimizer.implementation": ["optimizer.implementation=adam"],
+    "optimizer.state_dtype": ["optimizer.state_dtype=float16"], "lr_scheduler.decay": ["lr_scheduler.decay=step"],
+    "data.source": ["data.source=s3"], "data.path": ["data.source=local", "data.path=/nonexistent/corpus"],
+    "data.split": ["data.split=7"], "data.text_field": ["data.text_field=[text]"],
+    "tokenizer.path": ["tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer.bos_token": ["tokenizer.bos_token=1"],
+    "tokenizer.eos_token": ["tokenizer.eos_token=false"], "metrics.tensorboard": ["metrics.tensorboard=yes"],
+    "launch.device": ["launch.device=tpu"], "launch.backend": ["launch.device=cpu", "launch.backend=nccl"],
+    "launch.dry_run": ["launch.dry_run=1"], "testing.save_final_weights": ["testing.save_final_weights=1"],
+}
+# Read only with data.source=hub, where the Hub judges it (offline, the data.path line names the dataset).
+HUB_ONLY = {"data.name"}
+
+
+def test_every_core_field_has_a_bad_value_here():
+    from titan_core.schema import CORE_SECTIONS, core_defaults
+
+    fields = {f"{section}.{key}" for section in CORE_SECTIONS for key in core_defaults()[section]}
+    assert set(BAD) | set(CORE_BAD) | HUB_ONLY == fields
+
+
+@pytest.mark.parametrize("field", sorted(CORE_BAD))
+def test_a_bad_core_value_is_refused_naming_the_field(field):
+    overrides = [o for o in TINY_WORLD if not o.startswith("launch.world_size")]
+    assert refusal(*overrides, *CORE_BAD[field]).field == field

@@ -101,3 +101,11 @@ def test_async_tp_on_two_gpus_trains_like_one(titan_parity):
 def test_mxfp8_on_a_gpu_trains_close_to_fp32(titan_parity):
     report = titan_parity(["+plugins=[float8]", "plugins.float8.recipe=mxfp8_rceil"], reference_overrides=ON_GPUS)
     assert 0 < report.max_loss_diff <= 1e-2, report
+
+
+def test_sharded_parameters_compute_in_bf16_on_gpus_and_fp32_on_the_cpu_by_default():
+    from titan_core.options import compute_dtype
+
+    assert compute_dtype(None, "plugins.fsdp.param_dtype", "cuda") == torch.bfloat16
+    assert compute_dtype(None, "plugins.fsdp.param_dtype", "cpu") == torch.float32
+    assert compute_dtype("float32", "plugins.fsdp.param_dtype", "cuda") == torch.float32

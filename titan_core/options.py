@@ -16,6 +16,15 @@ def float_dtype(value: str, field: str) -> torch.dtype:
     return FLOAT_DTYPES[value]
 
 
+def compute_dtype(value: str | None, field: str, device_type: str) -> torch.dtype:
+    """The dtype parameters are gathered and computed in: as set, or for null bfloat16 on GPUs (mixed
+    precision, TorchTitan's default: half the bytes in flight) and float32 on the CPU (exact parity with one
+    process, and CPUs gain little from bf16)."""
+    if value is None:
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return float_dtype(value, field)
+
+
 def replica_count(value: int, field: str) -> int:
     """A count of model replicas (1: none), checked before the core sizes the mesh with it."""
     if value < 1:

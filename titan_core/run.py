@@ -27,7 +27,7 @@ from titan_core.description import CORE_ATTENTION
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
 from titan_core.plan import Plan, build_plan, check_plugin_names, config_options, plugin_manager
-from titan_core.schema import check_config_kinds, check_key, default_preset
+from titan_core.schema import CORE_SECTIONS, check_config_kinds, check_key, default_preset
 from titan_core.searchpath import PluginConfigSearchPath
 
 EXIT_BAD_INPUT = 2
@@ -227,11 +227,35 @@ def _agent_logs_to(path: Path) -> None:
 
 def _overrides(argv: list[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
 
     try:
         return OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
-    except Exception:
-        return []  # Hydra reports malformed overrides itself
+    except OverrideParseException as error:
+        raise ConfigError("command line", _first_line(error), "see docs/config.md; Hydra's override grammar: "
+                          "https://hydra.cc/docs/advanced/override_grammar/basic") from None
+
+
+def _first_line(error: Exception) -> str:
+    return next(line.strip() for line in f"{error}\n{type(error).__name__}".splitlines() if line.strip())
+
+
+def check_composes(argv: list[str]) -> None:
+    """Whatever else Hydra would refuse to compose (appending a key that exists, overriding the plugin list
+    without ``+``, an unknown ``hydra.*`` key), in one line with Hydra's own hint."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_module("titan_core.conf", version_base=None):
+            compose("config", overrides=[a for a in argv if not a.startswith("-")])
+    except (HydraException, OmegaConfBaseException) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        hint = next((line for line in lines[1:] if line.startswith("To ")), None)
+        fix = (hint[0].lower() + hint[1:] if hint else "drop the '+' to change an option that exists"
+               if "already at" in str(error) else "see docs/config.md")
+        raise ConfigError("command line", lines[0] if lines else type(error).__name__, fix) from None
 
 
 def _names(value) -> list[str]:
@@ -262,6 +286,8 @@ def check_command_line(argv: list[str]) -> None:
     for override in _overrides(argv):
         key = override.key_or_group
         changes = not (override.is_add() or override.is_force_add() or override.is_delete())
+        if override.is_delete() and key.split(".")[0] in CORE_SECTIONS:
+            raise ConfigError(key, "is the core's and cannot be removed", f"set it instead ({key}=...)")
         if key.startswith("plugins.") and changes and key.split(".")[1] not in plugins:
             name = key.split(".")[1]
             raise ConfigError(f"plugins.{name}", "is set but the plugin is not enabled",
@@ -276,6 +302,8 @@ def check_command_line(argv: list[str]) -> None:
         if changes and "." in key:
             for preset in presets or [default_preset()]:
                 check_key(key, preset)
+    if not any(arg in ("-m", "--multirun") for arg in argv):  # a sweep's values compose one job at a time
+        check_composes(argv)
 
 
 def main() -> None:

@@ -84,9 +84,10 @@ def wrap_loss(model_parts, plugin_config, plan):
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, owner: nn.Module, holder: LogitsWeight,
                           chunk_tokens: int) -> torch.Tensor:
     """Mean cross entropy of ``hidden @ weight.T`` against ``labels``, one chunk of tokens at a time."""
-    if isinstance(owner, FSDPModule):
-        # A model part resharded after forward holds only its shard now; gathering it twice is a no-op.
-        owner.unshard()
+    for module in (owner, holder):
+        if isinstance(module, FSDPModule):
+            # A unit resharded after forward holds only its shard now; gathering it twice is a no-op.
+            module.unshard()
     weight = holder.weight
     if isinstance(hidden, DTensor):  # sequence parallel: each rank holds a slice of the sequence
         hidden = hidden.full_tensor()

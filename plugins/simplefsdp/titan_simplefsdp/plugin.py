@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from titan_core import Declaration, hookimpl
 from titan_core.capabilities import DATA_PARALLEL_SHARDING
-from titan_core.options import FLOAT_DTYPES, float_dtype, replica_count
+from titan_core.options import FLOAT_DTYPES, compute_dtype, float_dtype, replica_count
 
 STAGE = 600  # last, like FSDP: it shards whatever parameters the earlier transforms produced
 
@@ -39,8 +39,9 @@ def declare(plugin_config):
 
 @hookimpl
 def validate(plugin_config):
-    for field in ("param_dtype", "reduce_dtype"):
-        float_dtype(plugin_config[field], f"plugins.simplefsdp.{field}")
+    if plugin_config.param_dtype is not None:
+        float_dtype(plugin_config.param_dtype, "plugins.simplefsdp.param_dtype")
+    float_dtype(plugin_config.reduce_dtype, "plugins.simplefsdp.reduce_dtype")
 
 
 @hookimpl
@@ -48,7 +49,8 @@ def apply_parallelism(model_parts, mesh, plugin_config):
     """simplefsdp: store every parameter sharded over the data-parallel mesh, gathered on read."""
     dp_mesh = mesh.submesh("dp_replicate", ("dp_shard", "cp"))
     gather = Gather(dp_mesh, mesh.submesh("dp_replicate", ("dp_shard", "cp"), "tp") if "tp" in mesh.shape else None,
-                    FLOAT_DTYPES[plugin_config.param_dtype], FLOAT_DTYPES[plugin_config.reduce_dtype])
+                    compute_dtype(plugin_config.param_dtype, "plugins.simplefsdp.param_dtype", mesh.device_type),
+                    FLOAT_DTYPES[plugin_config.reduce_dtype])
     for part in model_parts:
         for module in list(part.modules()):
             names = [name for name, _ in module.named_parameters(recurse=False)]
