@@ -19,6 +19,10 @@ BAD = {
     "lr_scheduler.min_lr_ratio": "1.5",
     "metrics.log_every": "0",
     "metrics.peak_tflops": "nan",
+    "metrics.profile_steps": "[3,2]",
+    "validation.every": "-2",
+    "validation.batches": "0",
+    "validation.holdout_every": "1",
     "launch.world_size": "0",
     "launch.max_restarts": "-1",
     "launch.cpu_threads_per_worker": "true",
@@ -40,7 +44,8 @@ def test_a_bad_value_is_refused_naming_the_field(field):
 
 def test_the_defaults_and_the_nulls_pass():
     check_numbers(config())
-    check_numbers(config("training.max_norm=null", "metrics.peak_tflops=null", "launch.world_size=4"))
+    check_numbers(config("training.max_norm=null", "metrics.peak_tflops=null", "launch.world_size=4",
+                         "metrics.profile_steps=[2,2]"))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -77,7 +82,8 @@ def test_enabled_plugins_known_presets_and_own_configs_pass(argv):
 PLUGIN_BAD = {
     "plugins.ac.mode": "partial", "plugins.ac.every": "0", "plugins.ac.save_ops": "[not_an_op]",
     "plugins.checkpoint.folder": "7", "plugins.checkpoint.interval": "-1", "plugins.checkpoint.keep_latest_k": "-1",
-    "plugins.checkpoint.async_save": "1", "plugins.checkpoint.load_path": ("/nonexistent/run", "7"),
+    "plugins.checkpoint.async_save": "1", "plugins.checkpoint.async_writer": "fork",
+    "plugins.checkpoint.load_path": ("/nonexistent/run", "7"),
     "plugins.checkpoint.load_parts": "[weights]", "plugins.checkpoint.final_model_only": "yes",
     "plugins.checkpoint.export_dtype": "int8", "plugins.checkpoint.export_hf": "2",
     "plugins.chunked_loss.chunk_tokens": "0",
@@ -174,13 +180,16 @@ CORE_BAD = {
     "optimizer.state_dtype": ["optimizer.state_dtype=float16"], "lr_scheduler.decay": ["lr_scheduler.decay=step"],
     "data.source": ["data.source=s3"], "data.path": ["data.source=local", "data.path=/nonexistent/corpus"],
     "data.split": ["data.split=7"], "data.text_field": ["data.text_field=[text]"],
+    "validation.source": ["validation.every=2", "validation.source=builtin"],
+    "validation.path": ["validation.every=2", "validation.source=local", "validation.path=/nonexistent/held-out"],
+    "validation.split": ["validation.split=7"], "validation.text_field": ["validation.text_field=[text]"],
     "tokenizer.path": ["tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer.bos_token": ["tokenizer.bos_token=1"],
     "tokenizer.eos_token": ["tokenizer.eos_token=false"], "metrics.tensorboard": ["metrics.tensorboard=yes"],
     "launch.device": ["launch.device=tpu"], "launch.backend": ["launch.device=cpu", "launch.backend=nccl"],
     "launch.dry_run": ["launch.dry_run=1"], "testing.save_final_weights": ["testing.save_final_weights=1"],
 }
 # Read only with data.source=hub, where the Hub judges it (offline, the data.path line names the dataset).
-HUB_ONLY = {"data.name"}
+HUB_ONLY = {"data.name", "validation.name"}
 
 
 def test_every_core_field_has_a_bad_value_here():

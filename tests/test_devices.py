@@ -41,18 +41,18 @@ def test_cpu_stays_the_cpu_on_a_gpu_machine(four_gpu_machine):
 
 def test_more_local_ranks_than_gpus_is_refused_before_launch(four_gpu_machine):
     with pytest.raises(ConfigError, match=r"^launch\.world_size: 8 ranks on this machine but 4 GPU\(s\)"):
-        check_devices(launch(), world_size=8)
-    check_devices(launch(), world_size=4)
-    check_devices(launch(device="cpu"), world_size=8)
+        check_devices(launch(), local_ranks=8)
+    check_devices(launch(), local_ranks=4)
+    check_devices(launch(device="cpu"), local_ranks=8)
 
 
 def test_under_torchrun_the_ranks_of_this_node_count(four_gpu_machine, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
     with pytest.raises(ConfigError, match=r"6 ranks on this machine"):
-        check_devices(launch(), world_size=48)
+        check_devices(launch(), local_ranks=48)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    check_devices(launch(), world_size=48)
+    check_devices(launch(), local_ranks=48)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -61,21 +61,22 @@ def test_under_torchrun_the_ranks_of_this_node_count(four_gpu_machine, monkeypat
 ])
 def test_impossible_devices_are_refused(fields, message):
     with pytest.raises(ConfigError, match=f"^{message}"):
-        check_devices(launch(**fields), world_size=1)
+        check_devices(launch(**fields), local_ranks=1)
 
 
 @pytest.mark.skipif(GPUS > 0, reason="checks the refusal of cuda on a machine without it")
 def test_cuda_asked_for_on_a_machine_without_it():
     with pytest.raises(ConfigError, match=r"^launch\.device: this machine has no CUDA device"):
-        check_devices(launch(device="cuda"), world_size=1)
+        check_devices(launch(device="cuda"), local_ranks=1)
 
 
 def test_a_fill_degree_counts_gpus_only_when_the_job_uses_them(four_gpu_machine):
+    from titan_core.cluster import job_nodes
     from titan_core.run import prepare
     from titan_core.testing import compose, config_error
 
     base = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "+plugins=[fsdp]")
-    assert prepare(compose(*base)).world_size == 4
+    assert prepare(compose(*base), job_nodes()).world_size == 4
     assert "-1 needs a world size" in str(config_error(*base, "launch.device=cpu"))
 
 
@@ -109,3 +110,11 @@ def test_sharded_parameters_compute_in_bf16_on_gpus_and_fp32_on_the_cpu_by_defau
     assert compute_dtype(None, "plugins.fsdp.param_dtype", "cuda") == torch.bfloat16
     assert compute_dtype(None, "plugins.fsdp.param_dtype", "cpu") == torch.float32
     assert compute_dtype("float32", "plugins.fsdp.param_dtype", "cuda") == torch.float32
+
+
+def test_a_multi_node_gpu_job_gets_every_gpu_of_every_node(four_gpu_machine):
+    from titan_core.cluster import Nodes, allocated_world_size
+
+    assert allocated_world_size(Nodes(3, 0, "gpu07:20000", "x"), None) == 12
+    assert allocated_world_size(Nodes(3, 0, "gpu07:20000", "x"), "cpu") is None  # the degrees set a CPU world
+    assert allocated_world_size(Nodes(1, 0, "127.0.0.1:0", "x"), None) is None  # one machine: the degrees do

@@ -41,6 +41,41 @@ def test_debug_model_learns_on_the_builtin_corpus(tmp_path):
     assert OmegaConf.load(tmp_path / "config.yaml").training.steps == 60
     assert (tmp_path / ".hydra" / "overrides.yaml").exists()
     assert "step 60/60" in (tmp_path / "logs" / "rank0.log").read_text()
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["overrides"] == ["training.steps=60", "metrics.log_every=20"]  # hydra.* are Hydra's own
+    assert record["versions"]["torch"] == torch.__version__
+    assert {"titan-core", "titan-llama3"} <= record["versions"].keys()
+    assert record["world"] == {"size": 1, "nodes": 1, "mesh": {}, "plugins": [], "model": "llama3"}
+    assert record["git"] is None or len(record["git"]["commit"]) == 40
+
+
+def test_a_terminal_gets_a_progress_bar_and_a_pipe_plain_lines(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns of a terminal
+    command = [sys.executable, "-m", "titan_core.run", *TINY, "training.steps=6", "metrics.log_every=3",
+               f"hydra.run.dir={tmp_path}"]
+    job = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the job closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert job.wait(timeout=300) == 0, output.decode(errors="replace")[-3000:]
+    screen = output.decode(errors="replace")
+    assert "6/6 [" in screen and "loss " in screen and "tok/s/device]" in screen  # step, loss, speed, ETA
+    assert "step 6/6 | loss" in screen  # the log lines still print, above the bar
+    piped = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "step 3/6" in piped and "6/6 [" not in piped
 
 
 @pytest.mark.slow
@@ -63,6 +98,13 @@ def test_multirun_runs_each_job_as_its_own_world(tmp_path):
     losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
     assert losses[0][0] == losses[1][0] and losses[0][-1] != losses[1][-1]
     assert all((r / "logs" / "rank1.log").exists() for r in runs)
+    # The sweep side by side: a row per job, the swept option as what differs.
+    table = subprocess.run([sys.executable, "-m", "titan_core.compare", str(tmp_path), "--json"], capture_output=True,
+                           text=True, timeout=120)
+    rows = json.loads(table.stdout)
+    assert [(row["run"], row["final_loss"], row["differs"], row["plan"]) for row in rows] == [
+        (str(runs[0]), losses[0][-1], "optimizer.lr=0.001", "world 2: dp_shard 2"),  # as Hydra writes a swept value
+        (str(runs[1]), losses[1][-1], "optimizer.lr=0.0003", "world 2: dp_shard 2")]
 
 
 @pytest.mark.slow
@@ -77,6 +119,9 @@ def test_under_torchrun_every_rank_agrees_on_the_run_dir(tmp_path):
     assert "world 2 = dp_shard 2" in completed.stdout
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
     assert (run_dir / ".hydra" / "config.yaml").exists()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["world"]["mesh"] == {"dp_shard": 2} and record["world"]["plugins"] == ["fsdp"]
+    assert "titan-fsdp" in record["versions"]
 
 
 def install(sources: list[Path], target: Path) -> dict:

@@ -29,14 +29,24 @@ _document_attention: Callable | None = None
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of (batch, heads, seq, head_dim) tensors; within documents when ``document_ids``
-    (batch, seq) is given."""
+    (batch, seq) is given.
+
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention: each serves ``q``'s heads in
+    groups of consecutive ones), and are never repeated to ``q``'s count: the kernels read them shared, and
+    context parallel moves them at their own size.
+    """
     if document_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped(q, k))
     if _document_attention is not None:
         return _document_attention(q, k, v, document_ids)
     positions = torch.arange(q.shape[2], device=q.device)
     mask = document_causal_mask(document_ids, positions, document_ids, positions)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=grouped(q, k))
+
+
+def grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``k`` (and ``v``) serve groups of ``q``'s heads (SDPA's ``enable_gqa``)."""
+    return q.shape[1] != k.shape[1]
 
 
 def document_causal_mask(query_documents: torch.Tensor, query_positions: torch.Tensor,

@@ -40,10 +40,10 @@ class ByteTokenizer:
 class FileTokenizer:
     """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library."""
 
-    def __init__(self, path: Path, bos_token: str, eos_token: str):
+    def __init__(self, path: Path, bos_token: str, eos_token: str, text: str | None = None):
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(str(path))
+        self._tokenizer = Tokenizer.from_file(str(path)) if text is None else Tokenizer.from_str(text)
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.bos_id = self._special_id(bos_token, "bos_token")
         self.eos_id = self._special_id(eos_token, "eos_token")
@@ -85,12 +85,26 @@ def load_tokenizer(config) -> ByteTokenizer | FileTokenizer:
                           "point it at a Hugging Face tokenizer.json (or its folder), or use builtin or bytes") from None
 
 
-def document_opener(config) -> Callable[[], Iterable[str]]:
-    """A function that opens the document stream of ``config.data`` from the start, as text strings.
+def shared_tokenizer(config) -> ByteTokenizer | FileTokenizer:
+    """The tokenizer of ``config`` (``tokenizer``) in a running world: rank 0 reads the file and the others
+    get its text from it, so a job reads it once however many ranks it has (the launcher checked it)."""
+    import torch.distributed as dist
 
-    ``data.source``: ``builtin`` (the shipped corpus), ``local`` (``data.path``: a json/jsonl/parquet/
-    text/csv file or a folder of them, read with HF ``datasets``) or ``hub`` (``data.path`` is a
-    dataset name, streamed; needs network or a populated HF cache).
+    file = tokenizer_file(config)
+    if file is None:
+        return ByteTokenizer()
+    text = [file.read_text() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text, src=0)
+    return FileTokenizer(file, config.bos_token, config.eos_token, text=text[0])
+
+
+def document_opener(config, section: str = "data") -> Callable[[], Iterable[str]]:
+    """A function that opens the document stream of ``config`` (the ``data`` section, or ``validation``'s own
+    documents) from the start, as text strings.
+
+    ``source``: ``builtin`` (the shipped corpus), ``local`` (``path``: a json/jsonl/parquet/text/csv file or
+    a folder of them, read with HF ``datasets``) or ``hub`` (``path`` is a dataset name, streamed; needs
+    network or a populated HF cache).
     """
     from datasets import load_dataset
 
@@ -101,7 +115,7 @@ def document_opener(config) -> Callable[[], Iterable[str]]:
             return (row[field] for row in stream)
         return open_hub
 
-    data_files = _local_files(config)
+    data_files = _local_files(config, section)
     fmt = FORMATS[Path(data_files[0]).suffix]
 
     def open_local():
@@ -110,47 +124,73 @@ def document_opener(config) -> Callable[[], Iterable[str]]:
     return open_local
 
 
-def check_documents(config) -> None:
-    """Fail before launch when the configured data has no document with text in ``data.text_field``."""
+def check_documents(config, section: str = "data") -> None:
+    """Fail before launch when the configured data has no document with text in its ``text_field``."""
     if config.source == "builtin":
         # Shipped non-empty; opening it here would cost every launch the import of `datasets`.
         return
     try:
-        first = next((text for text in document_opener(config)() if text), None)
+        first = next((text for text in document_opener(config, section)() if text), None)
     except KeyError:
-        raise ConfigError("data.text_field", f"the documents have no field '{config.text_field}'",
+        raise ConfigError(f"{section}.text_field", f"the documents have no field '{config.text_field}'",
                           "set data.text_field to the column that holds the text") from None
     except Exception as error:  # noqa: BLE001 - whatever the Hub client raises, the user gets one line
         if config.source != "hub":
             raise
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        raise ConfigError("data.path", f"the Hub dataset '{config.path}' cannot be opened ({reason})",
+        raise ConfigError(f"{section}.path", f"the Hub dataset '{config.path}' cannot be opened ({reason})",
                           "check its name and the network (HF_DATASETS_OFFLINE unset), or download it and "
-                          "use data.source=local with data.path=<its folder>") from None
+                          f"use {section}.source=local with {section}.path=<its folder>") from None
     if first is None:
-        raise ConfigError("data.path", f"{config.path} holds no non-empty document",
-                          "point data.path at files with text, or use data.source=builtin")
+        raise ConfigError(f"{section}.path", f"{config.path} holds no non-empty document",
+                          f"point {section}.path at files with text")
 
 
-def _local_files(config) -> list[str]:
+def _local_files(config, section: str) -> list[str]:
     if config.source == "builtin":
         return [str(ASSETS / "corpus.jsonl.gz")]
     if config.source != "local":
-        raise ConfigError("data.source", f"unknown source '{config.source}'", "use builtin, local or hub")
+        raise ConfigError(f"{section}.source", f"unknown source '{config.source}'", "use builtin, local or hub")
+    field = f"{section}.path"
     if not config.path:
-        raise ConfigError("data.path", "is empty but data.source=local", "set data.path to a file or folder")
+        raise ConfigError(field, f"is empty but {section}.source=local", f"set {field} to a file or folder")
     path = Path(config.path).expanduser()
     if not path.exists():
-        raise ConfigError("data.path", f"{path} does not exist", "point data.path at an existing file or folder")
+        raise ConfigError(field, f"{path} does not exist", f"point {field} at an existing file or folder")
     found = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file() and p.suffix in FORMATS)
     if not found:
-        raise ConfigError("data.path", f"{path} holds no {'/'.join(sorted(FORMATS))} file",
-                          "point data.path at json, jsonl, parquet, text or csv files")
+        raise ConfigError(field, f"{path} holds no {'/'.join(sorted(FORMATS))} file",
+                          f"point {field} at json, jsonl, parquet, text or csv files")
     if {FORMATS[p.suffix] for p in found} != {FORMATS[found[0].suffix]}:
-        raise ConfigError("data.path", f"{path} mixes file formats", "keep one format per data.path")
+        raise ConfigError(field, f"{path} mixes file formats", f"keep one format per {field}")
     if all(p.stat().st_size == 0 for p in found):
-        raise ConfigError("data.path", f"{path} is empty", "point data.path at files with text")
+        raise ConfigError(field, f"{path} is empty", f"point {field} at files with text")
     return [str(p) for p in found]
+
+
+def every_nth(open_documents: Callable[[], Iterable[str]], n: int, held: bool) -> Callable[[], Iterable[str]]:
+    """The documents of a stream at positions 0, n, 2n, ... (``held``) or all the others: a split of the
+    stream into two disjoint parts that any source supports, whatever order it is read in."""
+    def open_part():
+        return (text for index, text in enumerate(open_documents()) if (index % n == 0) == held)
+    return open_part
+
+
+def training_documents(config) -> Callable[[], Iterable[str]]:
+    """The training stream: ``data``'s documents, less those that validation holds out of them."""
+    opener = document_opener(config.data)
+    return every_nth(opener, config.validation.holdout_every, held=False) if holds_out(config) else opener
+
+
+def validation_documents(config) -> Callable[[], Iterable[str]]:
+    """Validation's documents: its own (``validation.source``), or those it holds out of the training data."""
+    if holds_out(config):
+        return every_nth(document_opener(config.data), config.validation.holdout_every, held=True)
+    return document_opener(config.validation, "validation")
+
+
+def holds_out(config) -> bool:
+    return config.validation.every > 0 and config.validation.source is None
 
 
 class PackedLoader:
@@ -206,3 +246,12 @@ class PackedLoader:
         self.documents_read = int(state["documents_read"])
         self.buffer = [int(t) for t in state["buffer"]]
         self._documents = None
+
+
+def validation_batches(config, tokenizer, dp_rank: int, dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the ``validation.batches`` global batches every evaluation uses (none when off)."""
+    if not config.validation.every:
+        return []
+    loader = PackedLoader(validation_documents(config), tokenizer, config.training.seq_len,
+                          config.training.global_batch_size, dp_rank, dp_size)
+    return [next(loader) for _ in range(config.validation.batches)]

@@ -7,13 +7,14 @@ import math
 import torch
 
 from titan_core.adamw import AdamWNarrowStates
-from titan_core.data import PackedLoader, document_opener
+from titan_core.data import PackedLoader, training_documents
 from titan_core.hookspecs import hookimpl
 from titan_core.options import FLOAT_DTYPES
 
 
 class ForwardBackward:
-    """One model part, one micro-batch: forward, loss, backward of the loss scaled for accumulation."""
+    """One model part, one micro-batch: forward, loss, backward of the loss scaled for accumulation (or, to
+    evaluate, forward and loss only)."""
 
     def __init__(self, model, loss_fn, grad_accum_steps: int):
         self.model = model
@@ -24,6 +25,9 @@ class ForwardBackward:
         loss = self.loss_fn(self.model(inputs, **model_kwargs), labels)
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+        return self.loss_fn(self.model(inputs, **model_kwargs), labels)
 
 
 @hookimpl(trylast=True)
@@ -71,5 +75,5 @@ def lr_schedule(config):
 
 @hookimpl(trylast=True)
 def build_dataloader(config, tokenizer, dp_rank, dp_size):
-    return PackedLoader(document_opener(config.data), tokenizer, config.training.seq_len,
+    return PackedLoader(training_documents(config), tokenizer, config.training.seq_len,
                         config.training.global_batch_size, dp_rank, dp_size)

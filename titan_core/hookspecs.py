@@ -50,8 +50,9 @@ def declare(config, plugin_config):
 def validate(config, plugin_config, plan):
     """Check this plugin's options against the whole job and the model before any worker starts.
 
-    Called once per enabled plugin after the plan (mesh shape, world size, order, ``plan.model``: the
-    model's :class:`titan_core.description.ModelDescription`) is known. Raise
+    Called once per job, in the launching process (under torchrun: in rank 0's only, so that what it reads
+    is read once however many ranks there are), for each enabled plugin after the plan (mesh shape, world
+    size, order, ``plan.model``: the model's :class:`titan_core.description.ModelDescription`) is known. Raise
     :class:`titan_core.errors.ConfigError` naming the offending field and the fix, in particular when the
     model's description lacks what this plugin needs; return nothing.
     """
@@ -137,6 +138,9 @@ def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
     output in place of ``inputs``, and the same keyword arguments, split into micro-batches like the
     inputs), call backward on ``loss / config.training.grad_accum_steps`` and return the detached,
     unscaled mean loss, or None on ranks that compute no loss (pipeline stages other than the last).
+    Validation (``validation.every``) also calls ``evaluate(inputs, labels, model_kwargs) -> loss | None``,
+    the same forward and loss without backward, under ``torch.no_grad()``; a schedule without it is
+    refused when validation is on.
     ``model_kwargs`` holds per-token (batch, seq) tensors: ``document_ids`` under
     ``training.attention_mask=block_causal``, nothing otherwise. The core's default is a plain forward and
     backward on the single model part. A schedule that scales each forward's loss otherwise (a pipeline
@@ -227,11 +231,14 @@ def load_checkpoint(state, config, run_dir, plugin_config, plan):
 
 
 @hookspec(firstresult=True)
-def save_checkpoint(state, step, config, final, plugin_config, plan):
+def save_checkpoint(state, step, config, final, check_finite, plugin_config, plan):
     """Save ``state`` after ``step``'s optimizer step, if this plugin's policy says so.
 
     Called on every rank after each step but the last with ``final=False``, then once after the loop
     with ``final=True`` (also when no step ran: ``training.steps=0`` writes the initial weights).
+    Before writing, call ``check_finite()``: the core keeps whether every step's loss and gradients were
+    finite on the device and asks (a host sync) only on logged steps, so a step that is not logged may have
+    updated the weights with NaN; it raises ``FloatingPointError`` then, and nothing must be written.
     Returns the path written (or being written in the background), or None when nothing was saved.
     """
 

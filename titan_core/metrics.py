@@ -1,7 +1,8 @@
 """What a step reports: loss, grad norm, throughput, TFLOPS, MFU, memory, ETA.
 
 Rank 0 prints a line every ``metrics.log_every`` steps and writes the same values to
-``metrics.jsonl`` and TensorBoard (``tb/``) in the run dir.
+``metrics.jsonl`` and TensorBoard (``tb/``) in the run dir. On an interactive terminal a progress bar
+(tqdm) below the lines shows the step, loss, tokens/s per device and the time left.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger("titan_core")
 
@@ -43,6 +47,21 @@ def measured_matmul_tflops(size: int = 1024, seconds: float = 0.3) -> float:
     return 2 * size**3 * runs / (time.perf_counter() - start) / 1e12
 
 
+def global_means(values: list[torch.Tensor | None], device: torch.device) -> list[float]:
+    """Each value's mean over the ranks that hold it (None: this rank holds none), in one all-reduce.
+
+    Data- and context-parallel ranks see equal shares of the batch and tensor-parallel ranks the same
+    loss, so the plain mean over the ranks holding a loss is the loss of the global batch (pipeline stages
+    other than the last hold none).
+    """
+    zero = torch.zeros((), device=device)
+    sums = torch.stack([zero if v is None else v.float() for v in values] or [zero])
+    counts = torch.stack([zero if v is None else torch.ones((), device=device) for v in values] or [zero])
+    totals = torch.stack([sums, counts])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).tolist()[:len(values)]
+
+
 def memory_gib(device: torch.device) -> float:
     """Peak memory of this process: allocated CUDA memory, or resident set size on CPU."""
     if device.type == "cuda":
@@ -50,6 +69,7 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+VALIDATION = frozenset({"validation_loss", "validation_perplexity"})
 CORE_METRICS = frozenset({"step", "loss", "loss_avg", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                           "tokens_per_s_per_device", "tflops_per_device", "memory_gib", "mfu"})
 
@@ -58,6 +78,7 @@ class MetricsLogger:
     def __init__(self, config, run_dir: Path, rank: int, world_size: int, device: torch.device,
                  flops_per_token: float, first_step: int):
         self.every = config.metrics.log_every
+        self.validate_every = config.validation.every
         self.steps = config.training.steps
         self.tokens_per_step = config.training.global_batch_size * config.training.seq_len
         self.world_size = world_size
@@ -76,48 +97,76 @@ class MetricsLogger:
         self.first_step = first_step
         self.start = self.last = time.perf_counter()
         self.last_step = first_step
-        self.window: dict[int, float] = {}
+        self.window: dict[int, torch.Tensor | None] = {}  # each step's mean loss on this rank, since the last log
+        self.console = ExitStack()
+        self.bar = self._progress_bar() if self.writes and sys.stdout.isatty() else None
+
+    def _progress_bar(self):
+        """A bar at the bottom of the terminal, the log lines printed above it; CI and cluster logs (not a
+        terminal) get the plain lines only."""
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.console.enter_context(logging_redirect_tqdm([log]))
+        return self.console.enter_context(tqdm(total=self.steps, initial=self.first_step, unit="step",
+                                               dynamic_ncols=True, file=sys.stdout))
 
     def logs(self, step: int) -> bool:
-        """Whether ``step`` is one that is logged."""
-        return step % self.every == 0 or step == self.steps
+        """Whether ``step`` is one that is logged: every ``log_every``, the last, and those validated."""
+        return step % self.every == 0 or step == self.steps or self.validates(step)
 
-    def step(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
-        """Record ``step``; returns the logged values (empty on steps that are not logged).
+    def validates(self, step: int) -> bool:
+        """Whether the model is evaluated on the validation batches after ``step``."""
+        return bool(self.validate_every) and (step % self.validate_every == 0 or step == self.steps)
+
+    def record(self, step: int, losses: list[torch.Tensor]) -> None:
+        """Keep ``step``'s losses on this rank (none on pipeline stages without the loss), on the device:
+        reading them waits for the step, which only a logged step does."""
+        self.window[step] = torch.stack(losses).float().mean() if losses else None
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, step: int, grad_norm: float, lr: float, extra: dict) -> dict:
+        """Log ``step`` (called on every rank: the losses are reduced over the ranks); returns the values.
 
         ``loss`` is this step's own loss, so a resumed or restarted run logs exactly what the
         uninterrupted one did. ``loss_avg``, the mean over the steps since the last multiple of ``log_every``, shows
         the trend where one batch shows noise; it is left out when this process did not see the whole
         window (the first log line after a resume).
         """
-        self.window[step] = loss
-        if not self.logs(step):
-            return {}
-        window = range((step - 1) // self.every * self.every + 1, step + 1)  # since the last multiple of every
-        seen = all(s in self.window for s in window)
-        average = sum(self.window[s] for s in window) / len(window) if seen else None
-        self.window = {}
+        losses = dict(zip(self.window, global_means(list(self.window.values()), self.device)))
+        average = None
+        if step % self.every == 0 or step == self.steps:  # a step logged only for validation leaves the window open
+            window = range((step - 1) // self.every * self.every + 1, step + 1)  # since the last multiple of every
+            seen = all(s in losses for s in window)
+            average = sum(losses[s] for s in window) / len(window) if seen else None
+            self.window = {}
         now = time.perf_counter()
         step_time = (now - self.last) / (step - self.last_step)
         tokens_per_s = self.tokens_per_step / step_time
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
-        metrics = {"step": step, "loss": loss, **({"loss_avg": average} if average is not None else {}),
+        metrics = {"step": step, "loss": losses[step], **({"loss_avg": average} if average is not None else {}),
                    "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
                    "tflops_per_device": tflops,
-                   "memory_gib": memory_gib(self.device), **(extra or {})}
+                   "memory_gib": memory_gib(self.device), **extra}
         if self.peak:
             metrics["mfu"] = tflops / self.peak
         self.last, self.last_step = now, step
         if self.writes:
             self._write(metrics, eta_s=(now - self.start) / (step - self.first_step) * (self.steps - step))
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s_per_device']:.0f} "
+                                     "tok/s/device")
         return metrics
 
     def _write(self, m: dict, eta_s: float) -> None:
         mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
         # Per device first, as published tables quote it (TPS/GPU); the job's total beside it.
         average = f" (avg {m['loss_avg']:.4f})" if "loss_avg" in m else ""
-        extra = "".join(f" | {key} {m[key]:.3g}" for key in m if key not in CORE_METRICS)
+        extra = "".join(f" | {key} {m[key]:.3g}" for key in m if key not in CORE_METRICS and key not in VALIDATION)
+        if "validation_loss" in m:
+            extra += f" | validation loss {m['validation_loss']:.4f} (perplexity {m['validation_perplexity']:.1f})"
         log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total) | "
                  "%.3g TFLOPS/device%s | mem %.2f GiB%s | eta %s",
                  m["step"], self.steps, m["loss"], average, m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
@@ -130,6 +179,7 @@ class MetricsLogger:
                     self.tensorboard.add_scalar(key, value, m["step"])
 
     def close(self) -> None:
+        self.console.close()
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tensorboard is not None:

@@ -288,11 +288,14 @@ class Hooks:
         return None if owner is None else self.call(owner, hook_name, **kwargs)
 
 
-def build_plan(config, pm: pluggy.PluginManager, world_size: int | None, vocab_size: int) -> Plan:
+def build_plan(config, pm: pluggy.PluginManager, world_size: int | None, vocab_size: int,
+               validate: bool = True) -> Plan:
     """Describe the model, collect the declarations, order them, size the mesh and check conflicts.
 
     ``world_size`` is the given world under torchrun, else None: then a degree of -1 fills
     ``launch.world_size``, or all local GPUs, and otherwise the world is what the degrees multiply to.
+    The plugins' ``validate`` hooks run only where ``validate`` is set: in the launching process (under
+    torchrun, rank 0's), which checks the job once for every rank; the workers rebuild the plan unchecked.
     """
     description = pm.hook.describe_model(model_config=config.model, vocab_size=vocab_size,
                                          seq_len=config.training.seq_len)
@@ -316,7 +319,7 @@ def build_plan(config, pm: pluggy.PluginManager, world_size: int | None, vocab_s
     mesh_shape, borrowing = _mesh_shape(planned, dimensions, world_size, config.launch.get("world_size"), local_gpus)
     plan = Plan(tuple(planned), mesh_shape, math.prod(mesh_shape.values()), description, borrowing,
                 {dim: dimensions[dim] for dim in (*mesh_shape, *borrowing)})
-    for p in planned:
+    for p in planned if validate else ():
         call_plugin(pm, "validate", p.name, config=config, plugin_config=config.plugins[p.name], plan=plan)
     return plan
 

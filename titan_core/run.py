@@ -7,10 +7,10 @@ each rank under torchrun), or in ``world_size`` local workers started with torch
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
-import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -21,12 +21,14 @@ from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
 
 from titan_core.attention import MASKS
+from titan_core.cluster import Nodes, allocated_world_size, job_nodes, workers_per_node
 from titan_core.data import check_documents, load_tokenizer
 from titan_core.defaults import ADAMW_IMPLEMENTATIONS
 from titan_core.description import CORE_ATTENTION
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
 from titan_core.plan import Plan, build_plan, check_plugin_names, config_options, plugin_manager
+from titan_core.provenance import write_run_record
 from titan_core.schema import CORE_SECTIONS, check_config_kinds, check_key, default_preset
 from titan_core.searchpath import PluginConfigSearchPath
 
@@ -67,7 +69,12 @@ NUMBERS = (
     ("lr_scheduler.warmup_steps", lambda v: _count(v) and v >= 0, "an integer >= 0"),
     ("lr_scheduler.min_lr_ratio", lambda v: _number(v) and 0 <= v <= 1, "a number from 0 to 1"),
     ("metrics.log_every", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("validation.every", lambda v: _count(v) and v >= 0, "an integer >= 0 (0: no validation)"),
+    ("validation.batches", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("validation.holdout_every", lambda v: _count(v) and v >= 2, "an integer >= 2"),
     ("metrics.peak_tflops", lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
+    ("metrics.profile_steps", lambda v: v == [] or isinstance(v, list) and len(v) == 2 and all(map(_count, v))
+     and 1 <= v[0] <= v[1], "[first, last], steps from 1 with first <= last (or [] for no profiling)"),
     ("launch.world_size", lambda v: v is None or _count(v) and v >= 1, "a positive integer, or null"),
     ("launch.max_restarts", lambda v: _count(v) and v >= 0, "an integer >= 0"),
     ("launch.cpu_threads_per_worker", lambda v: _count(v) and v >= 1, "a positive integer"),
@@ -84,7 +91,7 @@ def check_numbers(config) -> None:
             raise ConfigError(field, f"{value!r} is not {what}", f"set {field} to {what}")
 
 
-def check_job(config, plan: Plan) -> None:
+def check_job(config, plan: Plan, nodes: Nodes) -> None:
     """The core's own checks of the job; the plugins' ran in build_plan."""
     check_numbers(config)
     training = config.training
@@ -107,10 +114,19 @@ def check_job(config, plan: Plan) -> None:
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")
     check_documents(config.data)
-    check_devices(config.launch, plan.world_size)
+    check_validation(config.validation)
+    check_devices(config.launch, workers_per_node(plan.world_size, nodes))
 
 
-def check_devices(launch, world_size: int) -> None:
+def check_validation(validation) -> None:
+    if validation.source not in (None, "local", "hub"):
+        raise ConfigError("validation.source", f"unknown source '{validation.source}'",
+                          "use local or hub for documents of its own, or null to hold some out of the training data")
+    if validation.every and validation.source is not None:
+        check_documents(validation, "validation")
+
+
+def check_devices(launch, local_ranks: int) -> None:
     """The device kind exists here and each local rank gets a GPU of its own."""
     if launch.device not in (None, "cpu", "cuda"):
         raise ConfigError("launch.device", f"unknown device '{launch.device}'", "use cpu, cuda or null")
@@ -120,7 +136,7 @@ def check_devices(launch, world_size: int) -> None:
     if kind == "cpu" and launch.backend == "nccl":
         raise ConfigError("launch.backend", "nccl needs CUDA devices and this job runs on the CPU",
                           "set launch.backend=gloo (or null)")
-    local_ranks = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else world_size
+    local_ranks = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else local_ranks
     if kind == "cuda" and local_ranks > torch.cuda.device_count():
         raise ConfigError("launch.world_size", f"{local_ranks} ranks on this machine but {torch.cuda.device_count()} "
                           "GPU(s): two ranks would share one", "start at most one rank per GPU (torchrun "
@@ -149,46 +165,53 @@ def check_optimizer(optimizer) -> None:
                           "set optimizer.implementation=null (or for_loop)")
 
 
-def prepare(config) -> Plan:
+def prepare(config, nodes: Nodes) -> Plan:
     """Validate everything and return the plan; raises ConfigError on bad input."""
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
     check_config_kinds(config)
+    world_size = (int(os.environ["WORLD_SIZE"]) if under_torchrun() else
+                  allocated_world_size(nodes, config.launch.device))
     vocab_size = load_tokenizer(config.tokenizer).vocab_size
     plan = build_plan(config, plugin_manager(config), world_size, vocab_size)
-    check_job(config, plan)
+    check_job(config, plan, nodes)
     return plan
 
 
 @hydra.main(config_path="pkg://titan_core.conf", config_name="config", version_base=None)
 def hydra_main(config) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    from titan_core import train
+
+    if under_torchrun() and os.environ["RANK"] != "0":
+        # Rank 0 checks the job for every rank (what it reads is read once); if it refuses the job it exits
+        # before the process group forms, and torchrun stops the others.
+        if not config.launch.dry_run:
+            train.train(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), run_dir)
+        return
     try:
-        plan = prepare(config)
+        nodes = job_nodes()
+        plan = prepare(config, nodes)
     except ConfigError as error:
         print(f"titan-core: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     config = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
-    rank = int(os.environ.get("RANK", 0))
-    if rank == 0:
+    if nodes.index == 0:
         print(plan.describe(), flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(config, run_dir / "config.yaml")
+        write_run_record(run_dir, HydraConfig.get().overrides.task, plan, config.model.name, nodes.count)
     if config.launch.dry_run:
         return
-
-    from titan_core import train
-
     if under_torchrun() or plan.world_size == 1:
         train.train(config, run_dir)
     else:
-        launch_local_workers(run_dir / "config.yaml", run_dir, plan.world_size, config.launch.max_restarts)
+        launch_workers(config, run_dir, plan.world_size, nodes)
 
 
-def launch_local_workers(config_path: Path, run_dir: Path, world_size: int, max_restarts: int) -> None:
-    """Start ``world_size`` workers on this machine with torch's elastic agent.
+def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None:
+    """Start this node's share of ``world_size`` workers with torch's elastic agent.
 
-    The rendezvous listens on a free port chosen by the OS (a fixed port collides with any other
-    job on the machine) under a fresh run id.
+    On one machine the rendezvous listens on a free port chosen by the OS (a fixed port collides with
+    any other job on the machine); the agents of a multi-node job meet on its first node.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -196,13 +219,16 @@ def launch_local_workers(config_path: Path, run_dir: Path, world_size: int, max_
 
     from titan_core.train import worker_main
 
+    elastic = run_dir / "elastic" / (f"node{nodes.index}" if nodes.count > 1 else "")
     launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")))
-    _agent_logs_to(run_dir / "elastic" / "agent.log")
+        min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=workers_per_node(world_size, nodes),
+        run_id=nodes.run_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rendezvous,
+        max_restarts=config.launch.max_restarts, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(elastic)))
+    _agent_logs_to(elastic / "agent.log")
     try:
-        elastic_launch(launch_config, worker_main)(str(config_path), str(run_dir))
+        # The config goes as text: the other nodes' workers must not wait for the first node's config.yaml.
+        elastic_launch(launch_config, worker_main)(OmegaConf.to_yaml(config), str(run_dir))
     except ChildFailedError as error:
         for rank, failure in sorted(error.failures.items()):
             print(f"titan-core: worker rank {rank} failed (exit code {failure.exitcode}); "
@@ -225,12 +251,22 @@ def _agent_logs_to(path: Path) -> None:
         logger.handlers, logger.propagate = [handler], False
 
 
+# Hydra's flags that take a value, which may follow as the next argument (``--cfg job``).
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+               "-cd", "--info", "-i", "--experimental-rerun")
+
+
+def override_args(argv: list[str]) -> list[str]:
+    """The overrides of a command line: its arguments that are neither flags nor a flag's value."""
+    return [arg for before, arg in zip([None, *argv], argv) if not arg.startswith("-") and before not in VALUE_FLAGS]
+
+
 def _overrides(argv: list[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
     try:
-        return OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+        return OverridesParser.create().parse_overrides(override_args(argv))
     except OverrideParseException as error:
         raise ConfigError("command line", _first_line(error), "see docs/config.md; Hydra's override grammar: "
                           "https://hydra.cc/docs/advanced/override_grammar/basic") from None
@@ -249,7 +285,7 @@ def check_composes(argv: list[str]) -> None:
 
     try:
         with initialize_config_module("titan_core.conf", version_base=None):
-            compose("config", overrides=[a for a in argv if not a.startswith("-")])
+            compose("config", overrides=override_args(argv))
     except (HydraException, OmegaConfBaseException) as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         hint = next((line for line in lines[1:] if line.startswith("To ")), None)
@@ -302,8 +338,24 @@ def check_command_line(argv: list[str]) -> None:
         if changes and "." in key:
             for preset in presets or [default_preset()]:
                 check_key(key, preset)
-    if not any(arg in ("-m", "--multirun") for arg in argv):  # a sweep's values compose one job at a time
+    multirun = any(arg in ("-m", "--multirun") for arg in argv)
+    check_launcher(argv, multirun)
+    if not multirun:  # a sweep's values compose one job at a time
         check_composes(argv)
+
+
+def check_launcher(argv: list[str], multirun: bool) -> None:
+    """A Hydra launcher (SLURM through submitit) is installed and gets the jobs: only a multirun has it run them."""
+    launcher = next((o for o in _overrides(argv) if o.key_or_group == "hydra/launcher"), None)
+    if launcher is None:
+        return
+    if not multirun and not any(arg.split("=")[0] in ("--cfg", "-c") for arg in argv):
+        raise ConfigError("hydra/launcher", "Hydra hands the jobs of a multirun to a launcher; without -m this job "
+                          "would run here", "add -m")
+    if str(launcher.value()) in ("slurm", "submitit_slurm", "submitit_local") and \
+            importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        raise ConfigError("hydra/launcher", "SLURM jobs go through Hydra's submitit launcher, which is not "
+                          "installed", "pip install 'titan-core[slurm]'")
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ from titan_core.errors import ConfigError
 
 CONF_GROUP = "titan_core.conf"
 CORE_CONF = "titan_core.conf"
-CORE_SECTIONS = ("training", "optimizer", "lr_scheduler", "data", "tokenizer", "metrics", "launch", "testing")
+CORE_SECTIONS = ("training", "optimizer", "lr_scheduler", "data", "validation", "tokenizer", "metrics", "launch",
+                 "testing")
 # Core options whose null is meaningful although their default is not.
 CORE_NULLABLE = ("training.max_norm",)
 

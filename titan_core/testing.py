@@ -107,12 +107,13 @@ def compose(*overrides: str):
 def config_error(*overrides: str):
     """The ConfigError the launcher refuses ``overrides`` with, found its way in this process (no worker, no
     subprocess: a table of bad values costs milliseconds per row)."""
+    from titan_core.cluster import job_nodes
     from titan_core.errors import ConfigError
     from titan_core.run import check_command_line, prepare
 
     with pytest.raises(ConfigError) as error:
         check_command_line(list(overrides))
-        prepare(compose(*overrides))
+        prepare(compose(*overrides), job_nodes())
     return error.value
 
 

@@ -22,13 +22,14 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from titan_core.attention import document_ids
-from titan_core.data import load_tokenizer
+from titan_core.data import shared_tokenizer, validation_batches
 from titan_core.errors import ConfigError
 from titan_core import objective
 from titan_core.mesh import ParallelMesh, device_for_rank, set_collective_timeout
-from titan_core.metrics import MetricsLogger
+from titan_core.metrics import MetricsLogger, global_means
 from titan_core.init import init_weights
 from titan_core.plan import Hooks, build_plan, plugin_manager
+from titan_core.profiling import StepProfiler
 
 log = logging.getLogger("titan_core")
 
@@ -44,9 +45,9 @@ class TrainState:
     step: int = 0
 
 
-def worker_main(config_path: str, run_dir: str) -> None:
+def worker_main(config_yaml: str, run_dir: str) -> None:
     """Entry point of a launched worker (module-level so that spawned interpreters can import it)."""
-    train(OmegaConf.load(config_path), Path(run_dir))
+    train(OmegaConf.create(config_yaml), Path(run_dir))
 
 
 def train(config, run_dir: Path) -> None:
@@ -61,8 +62,8 @@ def train(config, run_dir: Path) -> None:
                             timeout=timedelta(seconds=config.launch.init_timeout_s))
     try:
         pm = plugin_manager(config)
-        tokenizer = load_tokenizer(config.tokenizer)
-        plan = build_plan(config, pm, world_size, tokenizer.vocab_size)
+        tokenizer = shared_tokenizer(config.tokenizer)
+        plan = build_plan(config, pm, world_size, tokenizer.vocab_size, validate=False)  # the launcher validated
         _train(config, run_dir, Hooks(pm, plan, config), tokenizer, device, rank)
     except (ConfigError, FloatingPointError) as error:
         # Bad input found only once the model exists, or a diverged run: one line, not a traceback.
@@ -138,13 +139,9 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
     state = TrainState(model_parts, optimizer, lr_scheduler, dataloader)
     state.step = hooks.first("load_checkpoint", state=state, config=config, run_dir=run_dir) or 0
 
-    metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
-                            plan.model.flops_per_token(training.seq_len), first_step=state.step)
-    first_step = state.step + 1
-    while state.step < training.steps:
-        state.step += 1
-        inputs, labels = next(dataloader)
-        optimizer.zero_grad()
+    def each_micro_batch(schedule_pass, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """``schedule_pass`` (the schedule's run or evaluate) on each micro-batch of this rank's rows, inside the
+        plugins' batch contexts; the losses of the ranks that compute one."""
         losses = []
         for micro_inputs, micro_labels in zip(inputs.chunk(training.grad_accum_steps),
                                               labels.chunk(training.grad_accum_steps)):
@@ -156,36 +153,88 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
                                           model_kwargs=model_kwargs, model_parts=model_parts, mesh=mesh,
                                           config=config):
                     contexts.enter_context(context)
-                loss = schedule.run(micro_inputs, micro_labels, model_kwargs)
+                loss = schedule_pass(micro_inputs, micro_labels, model_kwargs)
             if loss is not None:
                 losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-        loss = global_mean_loss(losses, device)
+        return losses
+
+    validation = validation_batches(config, tokenizer, dp_rank, plan.dp_size)
+    if validation and not callable(getattr(schedule, "evaluate", None)):
+        raise ConfigError("validation.every", f"the schedule {type(schedule).__name__} (from a plugin's "
+                          "build_schedule) has no evaluate(inputs, labels, model_kwargs)",
+                          "set validation.every=0, or add evaluate to the schedule (docs/writing-plugins.md)")
+
+    def validate() -> dict:
+        """Mean loss over the validation batches (copies: a batch context may split its tensors in place)."""
+        with torch.no_grad():
+            losses = [loss for inputs, labels in validation
+                      for loss in each_micro_batch(schedule.evaluate, inputs.clone(), labels.clone())]
+        (loss,) = global_means([torch.stack(losses).mean() if losses else None], device)
+        return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 700.0))}
+
+    finite = FiniteWatch(device)
+    metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
+                            plan.model.flops_per_token(training.seq_len), first_step=state.step)
+    profiler = StepProfiler(list(config.metrics.profile_steps), run_dir, rank, device)
+    first_step = state.step + 1
+    while state.step < training.steps:
+        state.step += 1
+        profiler.step_begins(state.step)
+        inputs, labels = next(dataloader)
+        optimizer.zero_grad()
+        losses = each_micro_batch(schedule.run, inputs, labels)
         grad_norm = clip_grad_norm_(model_parts, training.max_norm, mesh)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise FloatingPointError(f"loss is {loss} at step {state.step} (grad norm {grad_norm}): stopped before "
-                                     "the optimizer step, so no checkpoint holds these weights; lower optimizer.lr "
-                                     "or check the data")
+        finite.record(state.step, losses, grad_norm)
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # what this step used, whoever set it
         lr_scheduler.step()
         hooks.each("after_optimizer_step", model_parts=model_parts, optimizer=optimizer, config=config,
                    step=state.step)
-        extra = {}
-        if metrics.logs(state.step):
+        metrics.record(state.step, losses)
+        logged = {}
+        if metrics.logs(state.step):  # the only host syncs of a step: the values logged
+            finite.check()
+            extra = validate() if validation and metrics.validates(state.step) else {}
             for answer in hooks.each("step_metrics", model_parts=model_parts, step=state.step, config=config):
                 extra.update(answer)
-        logged = metrics.step(state.step, loss, grad_norm, lr, extra)
+            logged = metrics.log(state.step, grad_norm.item(), lr, extra)
+        profiler.step_ended(state.step, model_parts, optimizer)
         hooks.each("on_step_end", step=state.step, metrics=logged, config=config)
         if state.step == first_step:  # compiled and warmed up: from now on a long wait means a hung rank
             set_collective_timeout(config.launch.hang_timeout_s)
         if state.step < training.steps:
-            hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False)
-    hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True)
+            hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False,
+                        check_finite=finite.check)
+    profiler.stop()
+    finite.check()
+    hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True, check_finite=finite.check)
     metrics.close()
     log.info("finished step %d", state.step)
     hooks.each("on_train_end", state=state, config=config)
     if config.testing.save_final_weights:
         save_full_weights(model_parts, run_dir / "final_weights" / f"rank{rank}.pt")
+
+
+class FiniteWatch:
+    """Whether every step's loss and gradient norm were finite, kept on the device: the host asks (a sync)
+    only on logged steps and before a checkpoint is written, so a step that logs nothing never waits."""
+
+    def __init__(self, device: torch.device):
+        self.first_bad = torch.zeros(3, device=device)  # step (0: none yet), its mean loss, its grad norm
+
+    def record(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
+        loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=grad_norm.device)
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        # torch.full, not torch.tensor: a copy from the host would wait for the device to finish the step.
+        seen = torch.stack([torch.full((), float(step), device=grad_norm.device), loss, grad_norm.float()])
+        self.first_bad = torch.where((self.first_bad[0] == 0) & ~finite, seen, self.first_bad)
+
+    def check(self) -> None:
+        step, loss, grad_norm = self.first_bad.tolist()
+        if step:
+            raise FloatingPointError(f"loss is {loss} at step {int(step)} (grad norm {grad_norm}): stopped before "
+                                     "any checkpoint holds the weights it updated; lower optimizer.lr or check the "
+                                     "data")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,20 +246,9 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def global_mean_loss(losses: list[torch.Tensor], device: torch.device) -> float:
-    """Mean loss over every rank that computed one (pipeline stages other than the last compute none).
-
-    Data- and context-parallel ranks see equal shares of the batch and tensor-parallel ranks the
-    same loss, so the plain mean over the ranks holding a loss is the loss of the global batch.
-    """
-    local = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-    total = torch.stack([local.float(), torch.tensor(float(bool(losses)), device=device)])
-    dist.all_reduce(total)
-    return (total[0] / total[1]).item()
-
-
-def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, mesh: ParallelMesh) -> float:
-    """Total L2 norm of all gradients across every shard and pipeline stage; clips to ``max_norm``."""
+def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, mesh: ParallelMesh) -> torch.Tensor:
+    """Total L2 norm of all gradients across every shard and pipeline stage (a tensor: reading it is a host
+    sync); clips to ``max_norm``."""
     by_mesh: dict[object, list[torch.Tensor]] = {}  # DTensors of different meshes (experts') never mix in one op
     for part in model_parts:
         for p in part.parameters():
@@ -228,7 +266,7 @@ def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, 
     if max_norm:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.item()
+    return norm
 
 
 def save_full_weights(model_parts: list[torch.nn.Module], path: Path) -> None:

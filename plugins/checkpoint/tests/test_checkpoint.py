@@ -1,14 +1,16 @@
 """Checkpoints: exact resume, resharding between plans, crashes mid-run and mid-save, guards.
 
 Faults are injected by a throwaway plugin installed for the test (``faults``): it kills a rank with
-SIGKILL after a step, freezes it with SIGSTOP, raises on it, kills it inside the checkpoint writer, or
-turns one step's logits into NaN.
+SIGKILL after a step, freezes it with SIGSTOP, raises on it, kills it inside the checkpoint writer, turns
+one step's logits into NaN, or makes deleting a folder wait until training is over.
 """
 
 import json
+import re
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from titan_core.testing import TINY, error_line, install_plugins, run_job
 
@@ -25,11 +27,14 @@ RESHARD_TOLERANCE = 1e-5
 
 FAULTS = """
 import os
+import shutil
 import signal
+import threading
 
 from titan_core import Declaration, hookimpl
 
 calls = {"batches": 0}
+training_over = threading.Event()
 
 
 def armed(options, step):
@@ -45,8 +50,19 @@ def declare():
 @hookimpl
 def on_step_end(step, config):
     options = config.plugins.faults
+    if step == config.training.steps:
+        training_over.set()
     if not armed(options, step):
         return
+    if options.kind == "slow_delete":  # a filesystem where deleting takes until training ends, or 60 s
+        delete = shutil.rmtree
+
+        def slow_delete(path, *args, **kwargs):
+            if not training_over.wait(timeout=60):
+                raise TimeoutError(f"training waited for the deletion of {path}")
+            calls.setdefault("deleted", []).append(path)
+            return delete(path, *args, **kwargs)
+        shutil.rmtree = slow_delete
     if options.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if options.kind == "stop":  # hung: alive, holding its sockets, answering nothing
@@ -111,8 +127,9 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("plan, options", [(ONE, ()), (ONE, ASYNC), (FSDP2, ASYNC)],
-                         ids=["one-process", "one-process-async", "fsdp2-async"])
+@pytest.mark.parametrize("plan, options", [(ONE, ()), (ONE, ASYNC),
+                                           (FSDP2, (*ASYNC, "plugins.checkpoint.async_writer=process"))],
+                         ids=["one-process", "one-process-async", "fsdp2-async-process"])
 def test_stopped_run_resumes_bit_for_bit(tmp_path, faults, uninterrupted, plan, options):
     env, fault = faults("kill", at_step=7)
     options = (*options, "plugins.checkpoint.interval=2")
@@ -255,10 +272,22 @@ def test_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, faults,
     assert_same_weights(result.final_weights(), uninterrupted(FSDP2, *options).final_weights())
 
 
+def test_slow_deletions_never_hold_up_training(tmp_path, faults, uninterrupted):
+    # Every deletion of an old checkpoint waits until the last step has ended: on the training thread the
+    # run would stop at its first deletion; in the background they all finish before the job ends.
+    env, fault = faults("slow_delete", at_step=1)
+    options = ("plugins.checkpoint.interval=1", "plugins.checkpoint.keep_latest_k=2")
+    result = run_job(job(ONE, *options, *fault, faults=True), tmp_path, env=env, timeout=300)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [f"step-{STEPS - 1}", f"step-{STEPS}"]
+    assert "could not delete" not in (tmp_path / "logs" / "rank0.log").read_text()
+    assert_same_weights(result.final_weights(), uninterrupted(ONE, *options).final_weights())
+
+
 def test_nan_loss_stops_before_any_save(tmp_path, faults):
+    # Step 5 is not logged: the core learns of its NaN when the checkpoint of step 6 asks, before writing it.
     env, fault = faults("nan_loss", at_step=5)
-    result = run_job(job(ONE, "plugins.checkpoint.interval=2", *fault, faults=True), tmp_path, env=env,
-                     expect_success=False)
+    result = run_job(job(ONE, "plugins.checkpoint.interval=2", "metrics.log_every=4", *fault, faults=True), tmp_path,
+                     env=env, expect_success=False)
     assert result.returncode == 1
     assert "titan-core: stopped: loss is nan at step 5" in result.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]
@@ -285,6 +314,20 @@ def test_seed_checkpoint_into_a_sharded_plan_and_final_export(tmp_path):
     assert_same_weights(torch.load(tmp_path / "model.pt", weights_only=True), weights)
     hf = from_seed.run_dir / "checkpoints" / f"hf-step-{STEPS}"
     assert json.loads((hf / "config.json").read_text())["num_hidden_layers"] == 4
+    # Each of the 2 ranks read and wrote about half of the weights, as one file of the folder's two.
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    shares = [int(re.search(r"export: (\d+) bytes", (from_seed.run_dir / "logs" / f"rank{r}.log").read_text())[1])
+              for r in (0, 1)]
+    assert sum(shares) == sum(t.nbytes for t in weights.values()) and max(shares) <= 0.6 * sum(shares), shares
+    from titan_checkpoint.hf import import_hf
+    from titan_core.data import load_tokenizer
+    from titan_core.plan import model_description
+
+    config = OmegaConf.load(from_seed.run_dir / "config.yaml")
+    _, imported = import_hf(hf, model_description(config, load_tokenizer(config.tokenizer).vocab_size).hf)
+    assert_same_weights(imported, weights)
 
 
 def test_model_of_another_shape_is_refused_before_launch(tmp_path):

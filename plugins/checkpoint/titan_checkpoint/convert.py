@@ -5,7 +5,7 @@
 
 The model's shape comes from the run's ``config.yaml`` (two folders above the checkpoint, or
 ``--config``). Every tensor is gathered whole into this process's memory: it needs as much RAM as
-the model has bytes in the chosen dtype.
+the model has bytes in the chosen dtype. (A run's own export, ``export_hf``, splits the work over its ranks.)
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from safetensors.torch import save_file as save_safetensors
 
 from titan_core import ConfigError
 from titan_core.data import load_tokenizer, tokenizer_file
-from titan_core.description import ModelDescription, lacks
+from titan_core.description import HFAdapter, ModelDescription, lacks
 from titan_core.options import FLOAT_DTYPES
 from titan_core.plan import model_description
 from titan_checkpoint.files import partial_of, save_file, swap_in
-from titan_checkpoint.hf import export_hf
+from titan_checkpoint.hf import file_names, write_hf_index
 from titan_checkpoint.state import allocate, read_metadata
 
 
@@ -36,13 +37,52 @@ def read_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k[len("model."):]: v for k, v in tensors.items()}
 
 
-def export_hf_from_checkpoint(checkpoint: Path, target: Path, dtype: torch.dtype, config,
-                              description: ModelDescription | None = None) -> None:
-    """Write the checkpoint's weights as a Hugging Face folder, with the run's tokenizer.json if it has one."""
+def export_shares(metadata: dict, ranks: int) -> list[list[str]]:
+    """The model tensors of a checkpoint split over ``ranks`` writers by bytes, largest first to the least
+    loaded (each rank computes the same split from the same metadata)."""
+    sizes = {k: m.size.numel() * m.properties.dtype.itemsize for k, m in metadata.items() if k.startswith("model.")}
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        least = loads.index(min(loads))
+        shares[least].append(name)
+        loads[least] += sizes[name]
+    return [share for share in shares if share]
+
+
+def write_hf_share(checkpoint: Path, folder: Path, dtype: torch.dtype, metadata: dict, adapter: HFAdapter,
+                   rank: int, ranks: int) -> tuple[dict[str, str], int, int]:
+    """Write rank ``rank``'s share of the checkpoint's weights as one safetensors file of the folder, reading
+    only those tensors. Returns the whole folder's weight map and size in ``dtype`` (the same on every rank),
+    and the bytes this rank read."""
+    shares = export_shares(metadata, ranks)
+    files = file_names(len(shares))
+    weight_map = {adapter.to_hf(k[len("model."):]): file for share, file in zip(shares, files) for k in share}
+    total = sum(metadata[k].size.numel() for share in shares for k in share) * dtype.itemsize
+    if rank >= len(shares):  # more ranks than tensors
+        return weight_map, total, 0
+    tensors = allocate({k: metadata[k] for k in shares[rank]}, "model.")
+    dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=True)
+    save_safetensors({adapter.to_hf(k[len("model."):]): t.to(dtype).contiguous() for k, t in tensors.items()},
+                     folder / files[rank], metadata={"format": "pt"})
+    return weight_map, total, sum(t.nbytes for t in tensors.values())
+
+
+def hf_adapter(config, description: ModelDescription | None) -> HFAdapter:
     description = description or model_description(config, load_tokenizer(config.tokenizer).vocab_size)
     if description.hf is None:
         raise ConfigError("model.name", lacks(description, "hf", "Hugging Face export"), "export --format torch")
-    export_hf(read_model_weights(checkpoint), description.hf, target, dtype, tokenizer_file(config.tokenizer))
+    return description.hf
+
+
+def export_hf_from_checkpoint(checkpoint: Path, target: Path, dtype: torch.dtype, config,
+                              description: ModelDescription | None = None) -> None:
+    """Write the checkpoint's weights as a Hugging Face folder, with the run's tokenizer.json if it has one."""
+    adapter = hf_adapter(config, description)
+    target.mkdir(parents=True, exist_ok=True)
+    metadata = read_metadata(checkpoint)
+    weight_map, total, _ = write_hf_share(checkpoint, target, dtype, metadata, adapter, 0, 1)
+    write_hf_index(target, weight_map, total, adapter, dtype, tokenizer_file(config.tokenizer))
 
 
 def main(argv: list[str] | None = None) -> None:

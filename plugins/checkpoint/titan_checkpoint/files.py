@@ -1,9 +1,11 @@
 """Saves that become visible only complete, damaged ones caught, and what a killed save left put right.
 
 Every folder is written under ``<name>.partial`` and renamed once finished; a folder it replaces (the
-same step saved again) is first renamed ``<name>.replaced`` and removed only after; an old checkpoint
-is renamed ``<name>.removed`` before it is deleted, so that a half-deleted one never looks complete.
-At start, :func:`recover` settles each leftover whatever step of the swap the process died at.
+same step saved again) is first renamed ``<name>.replaced`` and removed only after; a folder to delete is
+renamed ``<name>.removed-<id>`` at once and deleted on a background thread (a checkpoint at scale is
+thousands of files, minutes of deleting that must not hold up a step or a load), so that a half-deleted
+one never looks complete. At start, :func:`recover` settles each leftover whatever step of the swap the
+process died at.
 
 Each rank records the size and CRC-32 of the files it wrote into a checkpoint (``checksums/rank<r>.json``,
 before the folder is renamed); before loading, each rank checks the files of the saving ranks r with
@@ -16,7 +18,9 @@ import json
 import logging
 import os
 import shutil
+import uuid
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -42,14 +46,27 @@ def swap_in(partial: Path, complete: Path) -> None:
     if complete.exists():
         complete.rename(replaced)
     partial.rename(complete)
-    shutil.rmtree(replaced, ignore_errors=True)
+    if replaced.exists():
+        delete_in_background(replaced)
 
 
-def remove(folder: Path) -> None:
-    """Delete a complete checkpoint so that no moment shows it complete with files missing."""
-    doomed = folder.with_name(folder.name + REMOVED)
+_deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-checkpoint-delete")
+_deletions: list[Future] = []
+
+
+def delete_in_background(folder: Path) -> None:
+    """Rename ``folder`` out of every listing now and delete it on the deleting thread."""
+    doomed = folder.with_name(f"{folder.name}{REMOVED}-{uuid.uuid4().hex[:8]}")
     folder.rename(doomed)
-    shutil.rmtree(doomed)
+    _deletions.append(_deleter.submit(shutil.rmtree, doomed))
+
+
+def deletions_done() -> None:
+    """Wait for the deletions under way; one that failed is a warning (its leftover goes at the next start)."""
+    while _deletions:
+        deletion = _deletions.pop(0)
+        if deletion.exception() is not None:
+            log.warning("could not delete an old checkpoint: %s", deletion.exception())
 
 
 def recover(folder: Path) -> None:
@@ -61,7 +78,7 @@ def recover(folder: Path) -> None:
             leftover.rename(complete)
             log.warning("restored %s: the save replacing it did not finish", complete)
         else:
-            shutil.rmtree(leftover)
+            delete_in_background(leftover)
     for leftover in sorted(folder.glob(f"*{PARTIAL}")):
         complete = leftover.with_name(leftover.name.removesuffix(PARTIAL))
         if finished(leftover) and not complete.exists():
@@ -69,9 +86,9 @@ def recover(folder: Path) -> None:
             log.warning("published %s: its save finished but was not renamed", complete)
         else:
             log.info("removing %s, an incomplete save of an earlier attempt", leftover)
-            shutil.rmtree(leftover)
-    for leftover in folder.glob(f"*{REMOVED}"):
-        shutil.rmtree(leftover)
+            delete_in_background(leftover)
+    for leftover in folder.glob(f"*{REMOVED}*"):  # a deletion the process died in the middle of
+        _deletions.append(_deleter.submit(shutil.rmtree, leftover))
 
 
 def save_file(tensors: dict, path: Path) -> None:

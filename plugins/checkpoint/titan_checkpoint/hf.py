@@ -35,20 +35,30 @@ def export_hf(weights: dict[str, torch.Tensor], adapter: HFAdapter, folder: Path
         if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > shard_bytes:
             shards.append({})
         shards[-1][name] = tensor
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, folder / file, metadata={"format": "pt"})
-            weight_map |= dict.fromkeys(shard, file)
-        index = {"metadata": {"total_size": sum(t.nbytes for t in converted.values())}, "weight_map": weight_map}
+    weight_map = {}
+    for file, shard in zip(file_names(len(shards)), shards):
+        save_file(shard, folder / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    write_hf_index(folder, weight_map, sum(t.nbytes for t in converted.values()), adapter, dtype, tokenizer_file)
+
+
+def file_names(count: int) -> list[str]:
+    """The standard names of a Hugging Face folder's ``count`` safetensors files."""
+    return ["model.safetensors"] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors"
+                                                     for i in range(1, count + 1)]
+
+
+def write_hf_index(folder: Path, weight_map: dict[str, str], total_bytes: int, adapter: HFAdapter,
+                   dtype: torch.dtype, tokenizer_file: Path | None) -> None:
+    """What completes a folder whose safetensors files are written: the index of a folder of several files,
+    the tokenizer, and the config.json (last: a folder with it is finished)."""
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = {**adapter.config, "dtype": DTYPE_NAMES[dtype], "torch_dtype": DTYPE_NAMES[dtype]}
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
+    config = {**adapter.config, "dtype": DTYPE_NAMES[dtype], "torch_dtype": DTYPE_NAMES[dtype]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def read_hf_config(folder: Path, adapter: HFAdapter) -> dict:

@@ -18,23 +18,27 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titan_core import ConfigError, Declaration, hookimpl
 from titan_core.capabilities import CHECKPOINTING
+from titan_core.data import tokenizer_file
 from titan_core.description import lacks
+from titan_core.mesh import device_kind
 from titan_core.options import FLOAT_DTYPES, float_dtype
 from titan_core.plan import build_meta_model
-from titan_checkpoint.convert import export_hf_from_checkpoint
-from titan_checkpoint.files import damaged_files, partial_of, record_checksums, recover, remove, swap_in
-from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config
-from titan_checkpoint.state import (PARTS, check_loadable, check_model_matches, dcp_shapes, load_training_state,
-                                    model_tensors, training_tensors)
+from titan_checkpoint.convert import write_hf_share
+from titan_checkpoint.files import (damaged_files, delete_in_background, deletions_done, partial_of, record_checksums,
+                                   recover, swap_in)
+from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config, write_hf_index
+from titan_checkpoint.state import (PARTS, SharedMetadataReader, check_loadable, check_model_matches, dcp_shapes,
+                                    load_training_state, model_tensors, training_tensors)
 
 log = logging.getLogger("titan_core")
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -53,6 +57,9 @@ def validate(config, plugin_config, plan):
             raise ConfigError(f"plugins.checkpoint.{field}", f"{value!r} is not an integer >= {least}",
                               f"set an integer >= {least} (0 turns it off)")
     float_dtype(plugin_config.export_dtype, "plugins.checkpoint.export_dtype")
+    if plugin_config.async_writer not in ("thread", "process"):
+        raise ConfigError("plugins.checkpoint.async_writer", f"unknown writer '{plugin_config.async_writer}'",
+                          "use thread or process")
     unknown = sorted(set(plugin_config.load_parts) - set(PARTS))
     if unknown:
         raise ConfigError("plugins.checkpoint.load_parts", f"unknown part '{unknown[0]}'", f"use some of {', '.join(PARTS)}")
@@ -106,6 +113,13 @@ class Checkpointer:
         # Asynchronous saves talk on their own gloo group: a background thread must not interleave its
         # collectives with the training step's on the default group (and NCCL cannot stage to CPU).
         self.group = dist.new_group(backend="gloo") if plugin_config.async_save else None
+        # One stager for the run: on a GPU it copies the state into pinned host buffers that later saves
+        # reuse, rather than a fresh pageable copy at every save.
+        on_gpu = device_kind(config.launch.device) == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=on_gpu))
+        self.writer = (AsyncCheckpointerType.PROCESS if plugin_config.async_writer == "process" else
+                       AsyncCheckpointerType.THREAD)
         self.pending: Future | None = None
         self.saved_step: int | None = None
 
@@ -150,7 +164,10 @@ class Checkpointer:
         raise ConfigError("plugins.checkpoint", f"every checkpoint to resume from is damaged (newest: {newest_damage})",
                           "restore the files from a copy, or start afresh in another run dir")
 
-    def save(self, state, step: int, final: bool) -> Path | None:
+    def save(self, state, step: int, final: bool, check_finite) -> Path | None:
+        if not final and (not self.options.interval or step % self.options.interval):
+            return None
+        check_finite()  # weights updated by a NaN gradient are never written
         if final:
             self.wait()
             if self.options.final_model_only:
@@ -164,8 +181,6 @@ class Checkpointer:
             if self.options.export_hf:
                 self.export_hf(saved, step)
             return saved
-        if not self.options.interval or step % self.options.interval:
-            return None
         self.wait()
         return self.write(training_tensors(state), f"step-{step}", asynchronous=self.options.async_save)
 
@@ -173,11 +188,13 @@ class Checkpointer:
         complete = self.folder / name
         partial = partial_of(complete)
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            if partial.exists():  # the same save of an attempt that died
+                delete_in_background(partial)
             partial.mkdir(parents=True)
         dist.barrier()
         if asynchronous:  # returns once the tensors are copied to memory; the writing goes on in a thread
-            upload = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group)
+            upload = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group,
+                                    async_stager=self.stager, async_checkpointer_type=self.writer)
             self.pending = then(upload, lambda: self.seal(partial, complete))
         else:
             dcp.save(tensors, checkpoint_id=str(partial))
@@ -198,15 +215,28 @@ class Checkpointer:
         log.info("checkpoint %s written", complete)
         if self.options.keep_latest_k:
             for _, old in complete_checkpoints(self.folder)[:-self.options.keep_latest_k]:
-                remove(old)
+                delete_in_background(old)
 
     def export_hf(self, checkpoint: Path, step: int) -> None:
+        """Every rank writes its share of the weights as one safetensors file (reading only those tensors of
+        the checkpoint); rank 0 then completes the folder and publishes it."""
+        target = self.folder / f"hf-step-{step}"
+        partial = partial_of(target)
         if self.rank == 0:
-            target = self.folder / f"hf-step-{step}"
-            shutil.rmtree(partial_of(target), ignore_errors=True)
-            export_hf_from_checkpoint(checkpoint, partial_of(target), FLOAT_DTYPES[self.options.export_dtype],
-                                      self.config, self.description)
-            swap_in(partial_of(target), target)
+            if partial.exists():
+                delete_in_background(partial)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        dtype = FLOAT_DTYPES[self.options.export_dtype]
+        metadata = SharedMetadataReader(checkpoint).metadata.state_dict_metadata
+        weight_map, total, read = write_hf_share(checkpoint, partial, dtype, metadata, self.description.hf,
+                                                 self.rank, dist.get_world_size())
+        log.info("Hugging Face export: %d bytes read and written on this rank", read)
+        dist.barrier()
+        if self.rank == 0:
+            write_hf_index(partial, weight_map, total, self.description.hf, dtype,
+                           tokenizer_file(self.config.tokenizer))
+            swap_in(partial, target)
             log.info("Hugging Face export %s written", target)
         dist.barrier()
 
@@ -253,13 +283,16 @@ def load_checkpoint(state, config, run_dir, plugin_config, plan):
 
 
 @hookimpl
-def save_checkpoint(state, step, final):
+def save_checkpoint(state, step, final, check_finite):
     """checkpoint: save on the interval (asynchronously if asked) and at the end, then export if asked."""
-    return _checkpointer.save(state, step, final)
+    return _checkpointer.save(state, step, final, check_finite)
 
 
 @hookimpl
 def on_train_end():
-    """checkpoint: wait for the save in flight so that the job ends with it on disk."""
+    """checkpoint: wait for the save in flight and the deletions under way, so that the job ends with its
+    folder as it will stay."""
     _checkpointer.wait()
+    _checkpointer.stager.close()
+    deletions_done()
     dist.barrier()

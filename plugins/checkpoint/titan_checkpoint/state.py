@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from titan_core import ConfigError
 from titan_core.description import canonical_name
@@ -82,6 +82,21 @@ def read_metadata(path) -> dict:
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
+class SharedMetadataReader(dcp.FileSystemReader):
+    """A reader of the checkpoint at ``path`` whose metadata rank 0 read for every rank: DCP alone would have
+    each rank read and unpickle the same ``.metadata`` (tens of MB at 405B, times the world)."""
+
+    def __init__(self, path):
+        super().__init__(str(path))
+        metadata = [super().read_metadata() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(metadata, src=0)
+        self.metadata = metadata[0]
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
 def check_model_matches(wanted: dict[str, tuple], saved: dict[str, tuple], source, held: set[str]) -> None:
     """One-line error naming the first model tensor that ``source`` lacks, has extra, or shapes differently.
 
@@ -108,10 +123,10 @@ def check_loadable(wanted: dict[str, torch.Tensor], saved: dict[str, tuple], sou
     check_model_matches({k: v.shape for k, v in wanted.items()}, saved, source, {k for keys in everyone for k in keys})
 
 
-def dcp_shapes(path) -> tuple[dict, dict[str, tuple]]:
-    """The checkpoint's metadata and its tensors' shapes; refuses a checkpoint holding pickled objects,
-    which loading would have to unpickle."""
-    saved = read_metadata(path)
+def dcp_shapes(path, reader: dcp.FileSystemReader | None = None) -> tuple[dict, dict[str, tuple]]:
+    """The checkpoint's metadata (``reader``'s, else read here) and its tensors' shapes; refuses a checkpoint
+    holding pickled objects, which loading would have to unpickle."""
+    saved = (reader or dcp.FileSystemReader(str(path))).read_metadata().state_dict_metadata
     pickled = sorted(k for k, m in saved.items() if not isinstance(m, TensorStorageMetadata))
     if pickled:
         raise ConfigError(LOAD_FIELD, f"{path} stores {pickled[0]} as a pickled object, which is never loaded "
@@ -156,7 +171,8 @@ PARTS = {"model": ("model.",), "optimizer": ("optimizer.",), "lr_scheduler": ("l
 def load_training_state(state, path, parts=tuple(PARTS)) -> int:
     """Load ``parts`` of the checkpoint at ``path`` into ``state`` in place (those it holds: a weights-only
     save holds the model alone); returns the step to continue after (0 unless ``step`` was loaded)."""
-    saved, shapes = dcp_shapes(path)
+    reader = SharedMetadataReader(path)
+    saved, shapes = dcp_shapes(path, reader)
     parts = {p for p in parts if any(k.startswith(PARTS[p]) for k in saved)}
     wanted = {}
     if "model" in parts:
@@ -168,7 +184,7 @@ def load_training_state(state, path, parts=tuple(PARTS)) -> int:
     for part in parts - {"model", "optimizer"}:
         for prefix in PARTS[part]:
             wanted.update(allocate(saved, prefix))
-    dcp.load(wanted, checkpoint_id=str(path))
+    dcp.load(wanted, storage_reader=reader)
     if "model" in parts:
         copy_into_model(state.model_parts, wanted)
     if "lr_scheduler" in parts:

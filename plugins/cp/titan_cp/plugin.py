@@ -28,7 +28,7 @@ from torch.nn.functional import scaled_dot_product_attention as local_sdpa
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
 from titan_core import ConfigError, Declaration, hookimpl
 from titan_core.capabilities import CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING, SPLIT_BACKWARD
-from titan_core.attention import document_attention, document_causal_mask
+from titan_core.attention import document_attention, document_causal_mask, grouped
 from titan_core.description import CORE_ATTENTION, SDPA_CAUSAL, attribute, lacks
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
@@ -147,5 +147,5 @@ def gathered_document_attention(group, token_positions: torch.Tensor):
         key_documents = all_gather_tensor(document_ids.contiguous(), gather_dim=1, group=group)
         key_positions = all_gather_tensor(token_positions, gather_dim=0, group=group)
         mask = document_causal_mask(document_ids, token_positions, key_documents, key_positions)
-        return local_sdpa(q, keys, values, attn_mask=mask[:, None])
+        return local_sdpa(q, keys, values, attn_mask=mask[:, None], enable_gqa=grouped(q, keys))
     return attend

@@ -79,7 +79,8 @@ def test_saved_under_ep_resumes_without_it_and_exports_to_hugging_face(titan_ref
     assert [m["step"] for m in resumed.metrics] == list(range(7, 11))
     _assert_trains_like(resumed, dataclasses.replace(reference, after_step=6))
 
-    hf = load_file(saved.run_dir / "checkpoints" / "hf-step-10" / "model.safetensors")
+    files = sorted((saved.run_dir / "checkpoints" / "hf-step-10").glob("*.safetensors"))  # a file per rank
+    hf = {name: tensor for file in files for name, tensor in load_file(file).items()}
     weights = saved.final_weights()
     experts = weights["layers.1.mlp.experts.gate_up_proj"]
     assert experts.shape[0] == 8

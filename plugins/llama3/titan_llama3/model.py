@@ -84,7 +84,6 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -100,8 +99,6 @@ class Attention(nn.Module):
         # along the sequence (sequence parallel), so its length is not the number of positions.
         rope = rope[:seq]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
         out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

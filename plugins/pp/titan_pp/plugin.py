@@ -100,22 +100,52 @@ class PipelineStep:
         looped = issubclass(schedule_class, schedules.PipelineScheduleMulti)
         self.schedule = schedule_class(stages if looped else stages[0], n_microbatches=microbatches,
                                        loss_fn=self.scaled_loss, scale_grads=False)
+        # torch's eval() of a schedule of several stages per rank still runs the order's backward actions, and
+        # those of the V-shaped schedules (ZBV, DualPipeV) fail without a backward (torch 2.13): evaluation runs
+        # the same schedule (whose eval/train switch re-prepares the stages) with its forward actions only.
+        self.forward_order = forward_actions(self.schedule.pipeline_order_with_comms) if looped else None
 
     def scaled_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(outputs, labels) / self.scale
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor | None:
+        return self._pass(self.schedule.step, inputs, labels, model_kwargs)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor | None:
+        if self.forward_order is None:
+            return self._pass(self.schedule.eval, inputs, labels, model_kwargs)
+        training_order, self.schedule.pipeline_order_with_comms = (self.schedule.pipeline_order_with_comms,
+                                                                   self.forward_order)
+        try:
+            return self._pass(self.schedule.eval, inputs, labels, model_kwargs)
+        finally:
+            self.schedule.pipeline_order_with_comms = training_order
+
+    def _pass(self, schedule_pass, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict):
         # torch also calls the loss function to infer shapes on the first step: take the
         # micro-batches' losses from the schedule rather than counting calls.
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         # Every stage takes the keyword arguments (document ids), split into micro-batches like the inputs.
-        self.schedule.step(*args, target=labels if self.holds_last else None, losses=losses, return_outputs=False,
-                           **model_kwargs)
+        schedule_pass(*args, target=labels if self.holds_last else None, losses=losses, return_outputs=False,
+                      **model_kwargs)
         if not self.holds_last:
             return None
         # Equal micro-batches: the mean of their mean losses is the mean loss of the local batch.
         return torch.stack(losses).detach().mean() * self.scale
+
+
+# The actions of a lowered pipeline order that a forward-only pass keeps.
+FORWARD_ACTIONS = (schedules.FORWARD, schedules.SEND_F, schedules.RECV_F, schedules.UNSHARD, schedules.RESHARD)
+
+
+def forward_actions(order: dict[int, list]) -> dict[int, list]:
+    """The forwards of a lowered pipeline order, with their sends, receives and FSDP (un)shards."""
+    def forwards(action):
+        if action.computation_type == schedules.OVERLAP_F_B:  # DualPipeV: a forward run beside a backward
+            return [a for a in action.sub_actions if a.computation_type == schedules.FORWARD]
+        return [action] if action.computation_type in FORWARD_ACTIONS else []
+    return {rank: [kept for action in actions for kept in forwards(action)] for rank, actions in order.items()}
 
 
 @hookimpl

@@ -133,8 +133,8 @@ def test_routing_bias_moves_toward_even_load_after_each_step(one_rank_group):
     gate = model.layers["1"].mlp.gate
     with torch.no_grad():
         gate.weight[0] += 0.5  # expert 0 favoured
-        for _ in range(2):
-            model(TOKENS)
+    for _ in range(2):  # training forwards (an evaluation's, under no_grad, are not counted)
+        model(TOKENS)
     counts = model.layers["1"].mlp.tokens_since_update.clone()
     after_optimizer_step(model_parts=[model], plan=plan)
     expected = 0.01 * torch.sign(counts.float().mean() - counts.float())
@@ -330,10 +330,12 @@ def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group,
     for layer in (1, 2, 3):
         model.layers[str(layer)].mlp.gate.register_forward_hook(
             lambda module, args, out, layer=layer: chosen.setdefault(layer, []).append(out[1].flatten()))
+    model(TOKENS)  # training forwards (an evaluation's, under no_grad, are not counted)
+    model(TOKENS[:1])
     with torch.no_grad():
         model(TOKENS)
-        model(TOKENS[:1])
     for layer in (1, 2, 3):
+        chosen[layer] = chosen[layer][:2]  # the router chose for the evaluation too
         counted = model.layers[str(layer)].mlp.tokens_per_expert
         assert torch.equal(counted, torch.bincount(torch.cat(chosen[layer]), minlength=8))
         assert counted.sum() == 3 * 32 * 2  # both calls, every token's two copies

@@ -48,7 +48,6 @@ class Attention(nn.Module):
     def __init__(self, args: Qwen3Args):
         super().__init__()
         self.head_dim = args.head_dim
-        self.groups = args.num_attention_heads // args.num_key_value_heads
         self.q_proj = nn.Linear(args.hidden_size, args.num_attention_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * args.head_dim, bias=False)
@@ -64,7 +63,6 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         rope = rope[:seq]  # the whole local sequence is here; the stream outside may be split (SP)
         q, k = rotate(q, rope), rotate(k, rope)
-        k, v = (t.repeat_interleave(self.groups, dim=2) for t in (k, v))
         out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -154,9 +154,10 @@ class MoE(nn.Module):
         weights, experts, scores = self.gate(x)
         order = experts.flatten().argsort(stable=True)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
-        with torch.no_grad():
-            self.tokens_per_expert += counts
-            self.tokens_since_update += counts
+        if torch.is_grad_enabled():  # training: an evaluation's tokens neither show in the routing metrics nor steer
+            with torch.no_grad():
+                self.tokens_per_expert += counts
+                self.tokens_since_update += counts
         token = order // experts.shape[1]  # which token each sorted copy belongs to
         out = self.experts(x[token], counts) * weights.flatten()[order, None]
         out = torch.zeros_like(x).index_add(0, token, out)

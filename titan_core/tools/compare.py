@@ -1,0 +1,187 @@
+"""Put runs side by side: ``python -m titan_core.compare RUN_DIR_OR_MULTIRUN_DIR... [--plot F.png]``.
+
+A run dir is what ``python -m titan_core.run`` writes (``metrics.jsonl``, ``config.yaml``, ``run.json``); a
+Hydra multirun folder (``multirun.yaml`` and one numbered run dir per job) counts as its jobs. The table
+gives each run's steps, final and lowest loss, last validation loss, median tokens/s per device (the first
+logged step, which includes start-up and compilation, left out), MFU, peak memory, its plan, and the
+overrides, package versions and git commit that are not the same in every run.
+
+    --plot F.png      loss and tokens/s per device against the step, one line per run (needs matplotlib)
+    --assert-equal    every run's loss curve equals the first's within --tol on the steps they share; exit 1
+                      otherwise (a regression check: a refactor must not move the loss)
+    --json            the rows as JSON, for scripts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass
+class Run:
+    path: str
+    losses: dict[int, float] = field(default_factory=dict)  # the last record of each logged step wins (resumes)
+    records: list[dict] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+    plan: str = ""
+    versions: dict = field(default_factory=dict)
+    code: list[str] = field(default_factory=list)  # versions and git commit, as "name==version" and "git <sha>"
+
+    def row(self) -> dict:
+        speeds = [r["tokens_per_s_per_device"] for r in self.records[1:] if "tokens_per_s_per_device" in r]
+        mfus = [r["mfu"] for r in self.records[1:] if "mfu" in r]
+        validation = [r["validation_loss"] for r in self.records if "validation_loss" in r]
+        last = max(self.losses) if self.losses else None
+        return {"run": self.path, "steps": last, "final_loss": self.losses.get(last),
+                "min_loss": min(self.losses.values()) if self.losses else None,
+                "validation_loss": validation[-1] if validation else None,
+                "tokens_per_s_per_device": statistics.median(speeds) if speeds else None,
+                "mfu": statistics.median(mfus) if mfus else None,
+                "memory_gib": max((r["memory_gib"] for r in self.records if "memory_gib" in r), default=None),
+                "plan": self.plan}
+
+
+def read_run(folder: Path) -> Run:
+    run = Run(str(folder))
+    metrics = folder / "metrics.jsonl"
+    if metrics.is_file():
+        run.records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        run.losses = {r["step"]: r["loss"] for r in run.records if "loss" in r}
+    record = folder / "run.json"
+    if record.is_file():
+        facts = json.loads(record.read_text())
+        run.overrides, run.versions = facts.get("overrides", []), facts.get("versions", {})
+        git = facts.get("git") or {}
+        run.code = [f"{name}=={version}" for name, version in run.versions.items()] + (
+            [f"git {git['commit'][:10]}{' (dirty)' if git.get('dirty') else ''}"] if git else [])
+        world = facts.get("world", {})
+        mesh = " x ".join(f"{dim} {n}" for dim, n in world.get("mesh", {}).items()) or "single process"
+        run.plan = f"world {world.get('size', '?')}: {mesh}"
+    elif (folder / ".hydra" / "overrides.yaml").is_file():  # a run from before run.json
+        from omegaconf import OmegaConf
+
+        run.overrides = list(OmegaConf.load(folder / ".hydra" / "overrides.yaml"))
+    return run
+
+
+def runs_of(paths: list[Path]) -> list[Run]:
+    """The runs the command line names: run dirs, and the jobs of multirun folders in job order."""
+    runs = []
+    for path in paths:
+        if (path / "multirun.yaml").is_file():
+            jobs = sorted((p for p in path.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+            runs += [read_run(job) for job in jobs]
+        elif (path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file():
+            runs.append(read_run(path))
+        else:
+            raise ValueError(f"{path} is neither a run dir (metrics.jsonl, config.yaml) nor a multirun folder "
+                             "(multirun.yaml)")
+    return runs
+
+
+def differing(runs: list[Run]) -> list[str]:
+    """For each run, its overrides, versions and commit that not every run shares."""
+    facts = [[*r.overrides, *r.code] for r in runs]
+    shared = set.intersection(*map(set, facts)) if runs else set()
+    return [" ".join(f for f in run_facts if f not in shared) for run_facts in facts]
+
+
+def table(runs: list[Run]) -> str:
+    columns = ("run", "steps", "final loss", "min loss", "val loss", "tok/s/device", "MFU", "mem GiB", "plan",
+               "differs")
+    lines = []
+    for run, differs in zip(runs, differing(runs)):
+        r = run.row()
+        if not run.losses:
+            lines.append((r["run"], "no metrics", *[""] * 7, differs))
+            continue
+        lines.append((r["run"], str(r["steps"]), f"{r['final_loss']:.4f}", f"{r['min_loss']:.4f}",
+                      _number(r["validation_loss"], ".4f"), _number(r["tokens_per_s_per_device"], ".0f"),
+                      _number(r["mfu"], ".1%"), _number(r["memory_gib"], ".2f"), r["plan"], differs))
+    widths = [max(len(row[i]) for row in (columns, *lines)) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in (columns, *lines))
+
+
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def largest_difference(run: Run, reference: Run, tol: float) -> tuple[int, float, bool] | None:
+    """The step where ``run``'s loss differs most from ``reference``'s, by how much, and whether that is within
+    ``tol`` (relative to the loss, absolute below 1); None when they share no step."""
+    shared = sorted(run.losses.keys() & reference.losses.keys())
+    if not shared:
+        return None
+    step = max(shared, key=lambda s: abs(run.losses[s] - reference.losses[s]))
+    difference = abs(run.losses[step] - reference.losses[step])
+    return step, difference, difference <= tol * max(1.0, abs(reference.losses[step]))
+
+
+def plot(runs: list[Run], file: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")  # a file, never a window
+    from matplotlib import pyplot
+
+    figure, (loss_axes, speed_axes) = pyplot.subplots(1, 2, figsize=(12, 4.5))
+    for run in runs:
+        loss_axes.plot(list(run.losses), list(run.losses.values()), label=run.path)
+        speeds = [(r["step"], r["tokens_per_s_per_device"]) for r in run.records if "tokens_per_s_per_device" in r]
+        speed_axes.plot(*zip(*speeds) if speeds else ([], []), label=run.path)
+    loss_axes.set(xlabel="step", ylabel="loss", title="loss")
+    speed_axes.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
+    loss_axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(file)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m titan_core.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run dirs or Hydra multirun folders")
+    parser.add_argument("--plot", type=Path, help="write loss and throughput curves to this PNG file")
+    parser.add_argument("--assert-equal", action="store_true", help="exit 1 unless every loss curve equals the first's")
+    parser.add_argument("--tol", type=float, default=1e-5, help="with --assert-equal (default 1e-5)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    try:
+        runs = runs_of(args.runs)
+        if args.plot:
+            plot(runs, args.plot)
+    except ValueError as error:
+        print(f"titan-core: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if args.json:
+        print(json.dumps([{**r.row(), "differs": d, "versions": r.versions} for r, d in zip(runs, differing(runs))],
+                         indent=2))
+    else:
+        print(table(runs))
+    if args.plot:
+        print(f"wrote {args.plot}")
+    if args.assert_equal:
+        sys.exit(check_equal(runs, args.tol))
+
+
+def check_equal(runs: list[Run], tol: float) -> int:
+    """Print how far each run's loss curve is from the first's; 1 if any is further than ``tol``."""
+    failed = False
+    for run in runs[1:]:
+        found = largest_difference(run, runs[0], tol)
+        if found is None:
+            print(f"{run.path}: shares no logged step with {runs[0].path}")
+            failed = True
+            continue
+        step, difference, within = found
+        print(f"{run.path}: largest loss difference {difference:.3g} at step {step} "
+              f"({'within' if within else 'beyond'} --tol {tol:g})")
+        failed |= not within
+    return int(failed)
