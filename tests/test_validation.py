@@ -56,11 +56,14 @@ def test_every_plan_validates_like_one_process(titan_reference, tmp_path, plan):
     assert report.max_loss_diff <= FP32_TOLERANCE and report.max_param_diff <= FP32_TOLERANCE, report
 
 
-ONLY_RUN = """
+# An outsider's schedule, written from the build_schedule docstring; EVALUATE is its evaluate, or nothing.
+OUTSIDER_SCHEDULE = """
+import torch
+
 from titan_core import hookimpl
 
 
-class TrainOnly:
+class OwnSchedule:
     def __init__(self, model, loss_fn):
         self.model, self.loss_fn = model, loss_fn
 
@@ -68,17 +71,27 @@ class TrainOnly:
         loss = self.loss_fn(self.model(inputs, **model_kwargs), labels)
         loss.backward()
         return loss.detach()
-
+EVALUATE
 
 @hookimpl
 def build_schedule(model_parts, loss_fn):
-    \"\"\"trainonly: a schedule that can train but not evaluate.\"\"\"
-    return TrainOnly(model_parts[0], loss_fn)
+    \"\"\"ownschedule: forward and backward of the single model part.\"\"\"
+    return OwnSchedule(model_parts[0], loss_fn)
+"""
+EVALUATE = """
+    def evaluate(self, inputs, labels, model_kwargs):
+        return self.loss_fn(self.model(inputs, **model_kwargs), labels)
 """
 
 
+def test_an_outsiders_schedule_validates_like_the_cores(titan_reference, tmp_path):
+    env = install_plugins(tmp_path / "site", {"ownschedule": (OUTSIDER_SCHEDULE.replace("EVALUATE", EVALUATE), "")})
+    result = run_job([*TINY, *VALIDATE, "+plugins=[ownschedule]"], tmp_path / "run", env=env)
+    assert validation_losses(result) == validation_losses(titan_reference(VALIDATE))
+
+
 def test_a_schedule_that_cannot_evaluate_is_refused(tmp_path):
-    env = install_plugins(tmp_path / "site", {"trainonly": (ONLY_RUN, "")})
-    result = run_job([*TINY, *VALIDATE, "+plugins=[trainonly]"], tmp_path / "run", expect_success=False, env=env)
-    assert error_line(result).startswith("titan-core: error: validation.every: the schedule TrainOnly (from a "
+    env = install_plugins(tmp_path / "site", {"ownschedule": (OUTSIDER_SCHEDULE.replace("EVALUATE", ""), "")})
+    result = run_job([*TINY, *VALIDATE, "+plugins=[ownschedule]"], tmp_path / "run", expect_success=False, env=env)
+    assert error_line(result).startswith("titan-core: error: validation.every: the schedule OwnSchedule (from a "
                                          "plugin's build_schedule) has no evaluate(")

@@ -133,7 +133,7 @@ def check_documents(config, section: str = "data") -> None:
         first = next((text for text in document_opener(config, section)() if text), None)
     except KeyError:
         raise ConfigError(f"{section}.text_field", f"the documents have no field '{config.text_field}'",
-                          "set data.text_field to the column that holds the text") from None
+                          f"set {section}.text_field to the column that holds the text") from None
     except Exception as error:  # noqa: BLE001 - whatever the Hub client raises, the user gets one line
         if config.source != "hub":
             raise

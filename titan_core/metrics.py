@@ -54,12 +54,11 @@ def global_means(values: list[torch.Tensor | None], device: torch.device) -> lis
     loss, so the plain mean over the ranks holding a loss is the loss of the global batch (pipeline stages
     other than the last hold none).
     """
-    zero = torch.zeros((), device=device)
-    sums = torch.stack([zero if v is None else v.float() for v in values] or [zero])
-    counts = torch.stack([zero if v is None else torch.ones((), device=device) for v in values] or [zero])
-    totals = torch.stack([sums, counts])
+    zero, one = torch.zeros((), device=device), torch.ones((), device=device)
+    totals = torch.stack([torch.stack([zero if v is None else v for v in values]),
+                          torch.stack([zero if v is None else one for v in values])])
     dist.all_reduce(totals)
-    return (totals[0] / totals[1]).tolist()[:len(values)]
+    return (totals[0] / totals[1]).tolist()
 
 
 def memory_gib(device: torch.device) -> float:
@@ -119,10 +118,10 @@ class MetricsLogger:
         """Whether the model is evaluated on the validation batches after ``step``."""
         return bool(self.validate_every) and (step % self.validate_every == 0 or step == self.steps)
 
-    def record(self, step: int, losses: list[torch.Tensor]) -> None:
-        """Keep ``step``'s losses on this rank (none on pipeline stages without the loss), on the device:
-        reading them waits for the step, which only a logged step does."""
-        self.window[step] = torch.stack(losses).float().mean() if losses else None
+    def record(self, step: int, loss: torch.Tensor | None) -> None:
+        """Keep ``step``'s mean loss on this rank (None on pipeline stages without the loss), on the device:
+        reading it waits for the step, which only a logged step does."""
+        self.window[step] = loss
         if self.bar is not None:
             self.bar.update(1)
 

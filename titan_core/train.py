@@ -169,7 +169,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
         with torch.no_grad():
             losses = [loss for inputs, labels in validation
                       for loss in each_micro_batch(schedule.evaluate, inputs.clone(), labels.clone())]
-        (loss,) = global_means([torch.stack(losses).mean() if losses else None], device)
+        (loss,) = global_means([local_mean(losses)], device)
         return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 700.0))}
 
     finite = FiniteWatch(device)
@@ -182,15 +182,15 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
         profiler.step_begins(state.step)
         inputs, labels = next(dataloader)
         optimizer.zero_grad()
-        losses = each_micro_batch(schedule.run, inputs, labels)
+        loss = local_mean(each_micro_batch(schedule.run, inputs, labels))
         grad_norm = clip_grad_norm_(model_parts, training.max_norm, mesh)
-        finite.record(state.step, losses, grad_norm)
+        finite.record(state.step, loss, grad_norm)
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # what this step used, whoever set it
         lr_scheduler.step()
         hooks.each("after_optimizer_step", model_parts=model_parts, optimizer=optimizer, config=config,
                    step=state.step)
-        metrics.record(state.step, losses)
+        metrics.record(state.step, loss)
         logged = {}
         if metrics.logs(state.step):  # the only host syncs of a step: the values logged
             finite.check()
@@ -222,8 +222,8 @@ class FiniteWatch:
     def __init__(self, device: torch.device):
         self.first_bad = torch.zeros(3, device=device)  # step (0: none yet), its mean loss, its grad norm
 
-    def record(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
-        loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=grad_norm.device)
+    def record(self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
+        loss = torch.zeros((), device=grad_norm.device) if loss is None else loss  # a stage without the loss
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         # torch.full, not torch.tensor: a copy from the host would wait for the device to finish the step.
         seen = torch.stack([torch.full((), float(step), device=grad_norm.device), loss, grad_norm.float()])
@@ -235,6 +235,11 @@ class FiniteWatch:
             raise FloatingPointError(f"loss is {loss} at step {int(step)} (grad norm {grad_norm}): stopped before "
                                      "any checkpoint holds the weights it updated; lower optimizer.lr or check the "
                                      "data")
+
+
+def local_mean(losses: list[torch.Tensor]) -> torch.Tensor | None:
+    """The mean of this rank's micro-batch losses in fp32, on the device; None where none is computed."""
+    return torch.stack(losses).float().mean() if losses else None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -120,3 +120,13 @@ def test_a_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.undo()
     files.save_file({"w": torch.ones(2)}, target)
     assert torch.equal(torch.load(target)["w"], torch.ones(2))
+
+
+def test_a_long_run_keeps_only_the_deletions_under_way(tmp_path):
+    # One deletion per save over a whole run: the finished ones are let go as new ones start.
+    for step in range(5):
+        files.delete_in_background(saved(tmp_path / f"step-{step}", "old"))
+        files._deletions[-1].result()
+    assert len(files._deletions) == 1
+    files.deletions_done()
+    assert files._deletions == [] and list(tmp_path.iterdir()) == []

@@ -58,13 +58,22 @@ def delete_in_background(folder: Path) -> None:
     """Rename ``folder`` out of every listing now and delete it on the deleting thread."""
     doomed = folder.with_name(f"{folder.name}{REMOVED}-{uuid.uuid4().hex[:8]}")
     folder.rename(doomed)
-    _deletions.append(_deleter.submit(shutil.rmtree, doomed))
+    _delete_later(doomed)
+
+
+def _delete_later(folder: Path) -> None:
+    _settle(waiting=False)  # the list holds the deletions under way only, however long the run
+    _deletions.append(_deleter.submit(shutil.rmtree, folder))
 
 
 def deletions_done() -> None:
     """Wait for the deletions under way; one that failed is a warning (its leftover goes at the next start)."""
-    while _deletions:
-        deletion = _deletions.pop(0)
+    _settle(waiting=True)
+
+
+def _settle(waiting: bool) -> None:
+    for deletion in [d for d in _deletions if waiting or d.done()]:
+        _deletions.remove(deletion)
         if deletion.exception() is not None:
             log.warning("could not delete an old checkpoint: %s", deletion.exception())
 
@@ -88,7 +97,7 @@ def recover(folder: Path) -> None:
             log.info("removing %s, an incomplete save of an earlier attempt", leftover)
             delete_in_background(leftover)
     for leftover in folder.glob(f"*{REMOVED}*"):  # a deletion the process died in the middle of
-        _deletions.append(_deleter.submit(shutil.rmtree, leftover))
+        _delete_later(leftover)
 
 
 def save_file(tensors: dict, path: Path) -> None:
