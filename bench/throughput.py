@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from titan_core.data import PackedLoader, document_opener, load_tokenizer
+from titan_core.data import document_opener, load_tokenizer
+from titan_core.data.text import PackedLoader
 from titan_core.init import init_weights
 from titan_llama3.model import Transformer
 from titan_llama3.plugin import llama_args, describe

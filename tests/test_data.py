@@ -6,7 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from titan_core.data import ByteTokenizer, PackedLoader, document_opener, load_tokenizer
+from titan_core.data import document_opener, load_tokenizer
+from titan_core.data.text import PackedLoader
+from titan_core.data.tokenizer import ByteTokenizer
 
 DOCS = [f"document number {i} " + "word " * (i % 7) for i in range(40)]
 

@@ -7,7 +7,7 @@ import math
 import torch
 
 from titan_core.adamw import AdamWNarrowStates
-from titan_core.data import PackedLoader, training_documents
+from titan_core.data import training_loader
 from titan_core.hookspecs import hookimpl
 from titan_core.options import FLOAT_DTYPES
 
@@ -75,5 +75,5 @@ def lr_schedule(config):
 
 @hookimpl(trylast=True)
 def build_dataloader(config, tokenizer, dp_rank, dp_size):
-    return PackedLoader(training_documents(config), tokenizer, config.training.seq_len,
-                        config.training.global_batch_size, dp_rank, dp_size)
+    """The core's loader: prepared token shards read by offset, or documents packed by every rank."""
+    return training_loader(config, tokenizer, dp_rank, dp_size)

@@ -169,8 +169,11 @@ def build_dataloader(config, tokenizer, dp_rank, dp_size, plugin_config, plan):
     """Build the training batches for this data-parallel rank.
 
     Returns an iterator of ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows of
-    ``seq_len`` tokens) with ``state_dict()``/``load_state_dict()`` for exact resume. The core's
-    default packs documents of ``config.data`` into one global stream and gives each rank its rows.
+    ``seq_len`` tokens) with ``state_dict()``/``load_state_dict()`` for exact resume, and optionally
+    ``metrics()``, a dict of numbers for the log. The core makes its batches ahead on a thread
+    (``data.prefetch``) and saves its position as of the batches taken, so ``state_dict()`` is called after
+    each batch and must return a snapshot, not a live view. The core's default reads prepared token shards
+    (``data.source=tokens``: this rank's rows only) or packs documents into one global stream.
     """
 
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from titan_core.attention import MASKS
 from titan_core.cluster import Nodes, allocated_world_size, job_nodes, workers_per_node
-from titan_core.data import check_documents, load_tokenizer
+from titan_core.data import check_data, load_tokenizer
 from titan_core.defaults import ADAMW_IMPLEMENTATIONS
 from titan_core.description import CORE_ATTENTION
 from titan_core.errors import ConfigError
@@ -71,6 +71,7 @@ NUMBERS = (
     ("metrics.log_every", lambda v: _count(v) and v >= 1, "a positive integer"),
     ("validation.every", lambda v: _count(v) and v >= 0, "an integer >= 0 (0: no validation)"),
     ("validation.batches", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("data.prefetch", lambda v: _count(v) and v >= 0, "an integer >= 0 (0: each batch made in the step)"),
     ("validation.holdout_every", lambda v: _count(v) and v >= 2, "an integer >= 2"),
     ("metrics.peak_tflops", lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
     ("metrics.profile_steps", lambda v: v == [] or isinstance(v, list) and len(v) == 2 and all(map(_count, v))
@@ -113,17 +114,8 @@ def check_job(config, plan: Plan, nodes: Nodes) -> None:
     if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")
-    check_documents(config.data)
-    check_validation(config.validation)
+    check_data(config)
     check_devices(config.launch, workers_per_node(plan.world_size, nodes))
-
-
-def check_validation(validation) -> None:
-    if validation.source not in (None, "local", "hub"):
-        raise ConfigError("validation.source", f"unknown source '{validation.source}'",
-                          "use local or hub for documents of its own, or null to hold some out of the training data")
-    if validation.every and validation.source is not None:
-        check_documents(validation, "validation")
 
 
 def check_devices(launch, local_ranks: int) -> None:

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from titan_core.attention import document_ids
-from titan_core.data import shared_tokenizer, validation_batches
+from titan_core.data import Prefetcher, shared_tokenizer, validation_batches
 from titan_core.errors import ConfigError
 from titan_core import objective
 from titan_core.mesh import ParallelMesh, device_for_rank, set_collective_timeout
@@ -134,8 +134,8 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
     optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
     lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
     dp_rank = mesh.local_rank(*plan.data_parallel_dims)
-    dataloader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
-                             dp_size=plan.dp_size)
+    loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=plan.dp_size)
+    dataloader = Prefetcher(loader, config.data.prefetch, pin=device.type == "cuda")
     state = TrainState(model_parts, optimizer, lr_scheduler, dataloader)
     state.step = hooks.first("load_checkpoint", state=state, config=config, run_dir=run_dir) or 0
 
@@ -145,7 +145,8 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
         losses = []
         for micro_inputs, micro_labels in zip(inputs.chunk(training.grad_accum_steps),
                                               labels.chunk(training.grad_accum_steps)):
-            micro_inputs, micro_labels = micro_inputs.to(device), micro_labels.to(device)
+            micro_inputs = micro_inputs.to(device, non_blocking=True)  # pinned by the prefetcher on CUDA
+            micro_labels = micro_labels.to(device, non_blocking=True)
             model_kwargs = ({"document_ids": document_ids(micro_inputs, tokenizer.bos_id)}
                             if training.attention_mask == "block_causal" else {})
             with contextlib.ExitStack() as contexts:
@@ -195,6 +196,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
         if metrics.logs(state.step):  # the only host syncs of a step: the values logged
             finite.check()
             extra = validate() if validation and metrics.validates(state.step) else {}
+            extra.update(dataloader.metrics())
             for answer in hooks.each("step_metrics", model_parts=model_parts, step=state.step, config=config):
                 extra.update(answer)
             logged = metrics.log(state.step, grad_norm.item(), lr, extra)
@@ -206,6 +208,7 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
             hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False,
                         check_finite=finite.check)
     profiler.stop()
+    dataloader.close()
     finite.check()
     hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True, check_finite=finite.check)
     metrics.close()
