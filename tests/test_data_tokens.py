@@ -234,6 +234,7 @@ def test_a_truncated_shard_is_refused_and_preparing_again_mends_it(prepared, tmp
      "holds no manifest.json"),
     (["data.path=PREPARED", "data.mixture=[{path:PREPARED,weight:1}]"], "data.path", "together with data.mixture"),
     (["data.path=/nonexistent/tokens"], "data.path", "holds no manifest.json"),
+    (["data.mixture=[{path:PREPARED,weight:1},{path:PREPARED,weight:2}]"], "data.mixture", "the same name"),
 ])
 def test_a_bad_tokens_source_is_one_line_before_launch(prepared, tmp_path, overrides, field, words):
     overrides = [o.replace("PREPARED", str(prepared)) for o in overrides]

@@ -18,22 +18,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("titan_core")
+from titan_core.planning.hardware import by_device_name
 
-# Dense bf16 peak of common training GPUs, by a substring of the device name.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "MI300X": 1307.0}
+log = logging.getLogger("titan_core")
 
 
 def peak_tflops(configured: float | None, device: torch.device) -> tuple[float | None, str]:
-    """Peak TFLOPS of one device and where the figure comes from."""
+    """Peak TFLOPS of one device and where the figure comes from (titan_core.planning.hardware on GPUs)."""
     if configured:
         return float(configured), "configured"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, tflops in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops, f"{name} datasheet"
-        return None, f"unknown GPU {name}: set metrics.peak_tflops"
+        profile = by_device_name(name)
+        if profile is None:
+            return None, f"unknown accelerator '{name}', so no MFU: set metrics.peak_tflops to its dense bf16 peak"
+        return profile.bf16_tflops, f"{name}: {profile.name} dense bf16 datasheet"
     return measured_matmul_tflops(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
 
 
