@@ -8,7 +8,7 @@ The kinds of hooks, and who decides the order:
 
 * Models (``describe_model``, ``build_model``) are implemented by the one model plugin that
   ``model.name`` chooses (entry-point group ``titan_core.models``); see :mod:`titan_core.description`.
-* Planning (``declare``, ``validate``) runs in the launching process before any worker starts.
+* Planning (``declare``, ``validate``, ``estimate_costs``, ``plan_options``) runs in the launching process before any worker starts.
 * Ordered transforms (``apply_parallelism``, ``wrap_loss``) run once per enabled plugin, in the plan's order
   (stage, then name), which the core computes from the declarations. pluggy's own LIFO order is not
   used for these, so that "PP, then TP, then CP, then AC, then compile, then FSDP" holds whatever the
@@ -55,6 +55,31 @@ def validate(config, plugin_config, plan):
     size, order, ``plan.model``: the model's :class:`titan_core.description.ModelDescription`) is known. Raise
     :class:`titan_core.errors.ConfigError` naming the offending field and the fix, in particular when the
     model's description lacks what this plugin needs; return nothing.
+    """
+
+
+@hookspec
+def estimate_costs(estimate, config, plugin_config, plan):
+    """Change one rank's estimated memory and step time as this plugin's technique changes them.
+
+    Called by ``python -m titan_core.plan`` and the dry run, in the launching process, before anything is
+    built, once per enabled plugin in plan order. ``estimate`` is a :class:`titan_core.planning.estimate.Estimate`
+    that starts as the model alone on one process: change the fields the technique changes (sharding divides,
+    checkpointing trades, pipelining keeps micro-batches in flight) and add its own collectives and buffers
+    (``add_collective``, ``add_memory``). Returns nothing. A plugin without this hook is reported as not counted.
+    """
+
+
+@hookspec
+def plan_options(config, plugin_config, model, world_size, hardware):
+    """The settings of this plugin worth trying on a cluster, for ``python -m titan_core.plan --recommend``.
+
+    Called once per plugin the command line enables, in the launching process, with the model's
+    :class:`titan_core.description.ModelDescription`, the cluster's device count and its
+    :class:`titan_core.planning.hardware.Hardware`. Returns a list of alternatives, each a dict of this
+    plugin's options (``{}``: its defaults), or None in the list when the plan may leave the plugin out. The
+    core tries every combination, drops those a ``validate`` refuses or that do not fit, and ranks the rest.
+    A plugin without this hook is tried with its options as given.
     """
 
 

@@ -428,3 +428,9 @@ def _borrowed_degree(dim: str, degree: int, owner: str, dimensions: dict[str, Me
 
 def _dist_name(ep: EntryPoint) -> str:
     return ep.dist.name if ep.dist is not None else "unknown distribution"
+
+
+if __name__ == "__main__":  # python -m titan_core.plan: the job's costs before launch
+    from titan_core.planning.cli import main
+
+    main()

@@ -92,8 +92,8 @@ def check_numbers(config) -> None:
             raise ConfigError(field, f"{value!r} is not {what}", f"set {field} to {what}")
 
 
-def check_job(config, plan: Plan, nodes: Nodes) -> None:
-    """The core's own checks of the job; the plugins' ran in build_plan."""
+def check_job(config, plan: Plan) -> None:
+    """The core's own checks of the job, wherever it will run; the plugins' ran in build_plan."""
     check_numbers(config)
     training = config.training
     if not isinstance(training.steps, int) or training.steps < 0:
@@ -115,7 +115,6 @@ def check_job(config, plan: Plan, nodes: Nodes) -> None:
         raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
                           "use cosine, linear or none")
     check_data(config)
-    check_devices(config.launch, workers_per_node(plan.world_size, nodes))
 
 
 def check_devices(launch, local_ranks: int) -> None:
@@ -164,7 +163,8 @@ def prepare(config, nodes: Nodes) -> Plan:
                   allocated_world_size(nodes, config.launch.device))
     vocab_size = load_tokenizer(config.tokenizer).vocab_size
     plan = build_plan(config, plugin_manager(config), world_size, vocab_size)
-    check_job(config, plan, nodes)
+    check_job(config, plan)
+    check_devices(config.launch, workers_per_node(plan.world_size, nodes))
     return plan
 
 
@@ -192,6 +192,10 @@ def hydra_main(config) -> None:
         OmegaConf.save(config, run_dir / "config.yaml")
         write_run_record(run_dir, HydraConfig.get().overrides.task, plan, config.model.name, nodes.count)
     if config.launch.dry_run:
+        if nodes.index == 0:
+            from titan_core.planning.costs import estimate_here
+
+            print(estimate_here(config, plan), flush=True)
         return
     if under_torchrun() or plan.world_size == 1:
         train.train(config, run_dir)

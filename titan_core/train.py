@@ -100,15 +100,10 @@ def _rendezvous_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device, rank: int) -> None:
-    training, plan = config.training, hooks.plan
-    torch.manual_seed(training.seed)
-    if training.deterministic:
-        torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
-    set_collective_timeout(config.launch.init_timeout_s)
-
+def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.device) -> list[torch.nn.Module]:
+    """This rank's model parts: built on meta, converted, transformed by every plugin in plan order,
+    materialized on ``device``, initialized shard by shard, then handed to the ``after_init`` hooks."""
+    plan = hooks.plan
     with torch.device("meta"):
         model = hooks.first("build_model", description=plan.model)
     hooks.each("convert_float8", model=model, config=config)
@@ -119,9 +114,22 @@ def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device,
                                      config=config) or model_parts
     for part in model_parts:
         part.to_empty(device=device)
-        init_weights(part, plan.model, training.seed)
+        init_weights(part, plan.model, config.training.seed)
     for name in hooks.order:
         model_parts = hooks.call(name, "after_init", model_parts=model_parts, mesh=mesh, config=config) or model_parts
+    return model_parts
+
+
+def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device, rank: int) -> None:
+    training, plan = config.training, hooks.plan
+    torch.manual_seed(training.seed)
+    if training.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
+    set_collective_timeout(config.launch.init_timeout_s)
+
+    model_parts = build_model_parts(hooks, mesh, config, device)
     local_params = sum(_local(p).numel() for part in model_parts for p in part.parameters())
     log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
              rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)

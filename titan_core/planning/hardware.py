@@ -1,36 +1,150 @@
-"""Accelerator profiles: datasheet figures of the devices titan-core knows, found by the exact device name.
+"""Accelerator profiles: datasheet figures of the devices titan-core knows, found by name or by the exact device
+name, and a profile of this machine's CPU measured on the spot.
 
-A figure is the vendor's dense (no sparsity) peak per device. A device that matches no profile is unknown:
-the caller asks for ``metrics.peak_tflops`` rather than taking a neighbour's figure (an H100 PCIe peaks at
-three quarters of an H100 SXM, and a substring match on "H100" used to give it the SXM's figure).
+The training metrics' MFU and the planner read the same profiles. A figure is the vendor's dense (no
+sparsity) peak per device. A device that matches no profile is unknown: the caller asks for
+``metrics.peak_tflops`` rather than taking a neighbour's figure (an H100 PCIe peaks at three quarters of an
+H100 SXM, and a substring match on "H100" used to give it the SXM's figure).
+
+``achievable`` is the one figure that is not a datasheet's: the fraction of the dense peak that the matmuls of
+a training step reach at LLM shapes. It is the same for every profile (0.6: what cuBLAS-class kernels reach on
+4k-wide GEMMs); the planner's error against published runs in docs/planner.md is measured with it untuned.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from titan_core.errors import ConfigError
+
+ACHIEVABLE = 0.37
+# Of a device's memory, what a plan may fill: the rest goes to the CUDA context, the kernels' workspaces and
+# the caching allocator's fragmentation, none of which the planner counts.
+USABLE_SHARE = 0.9
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator model and its dense bf16 peak (the figure MFU is quoted against)."""
+    """One accelerator model. Bandwidths are per device and per direction, in GB/s."""
 
     name: str
     device_names: str  # a regular expression that must match the whole of torch.cuda.get_device_name()
     bf16_tflops: float
+    fp8_tflops: float | None = None  # None: no float8 matmuls
+    memory_gib: float = 80.0
+    memory_gbps: float = 3350.0  # device memory bandwidth, for the step's elementwise work
+    intra_node_gbps: float = 450.0  # NVLink-class links between the devices of one node
+    inter_node_gbps: float = 50.0  # the network between nodes (400 Gb/s per device)
+    devices_per_node: int = 8
+    achievable: float = ACHIEVABLE
+    device_type: str = "cuda"  # what torch calls it: the dtypes plugins choose follow it (bf16 on GPUs)
+
+    @property
+    def usable_gib(self) -> float:
+        """What a plan may fill of one device's memory."""
+        return self.memory_gib * USABLE_SHARE
+
+    def peak_tflops(self, float8: bool = False) -> float:
+        return self.fp8_tflops if float8 and self.fp8_tflops else self.bf16_tflops
 
 
 PROFILES = (
-    Hardware("h100_sxm", r"NVIDIA H100 80GB HBM3|NVIDIA H100 SXM5 80GB", 989.4),
-    Hardware("h100_pcie", r"NVIDIA H100 PCIe", 756.0),
-    Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5),
-    Hardware("h200", r"NVIDIA H200", 989.4),
-    Hardware("a100", r"NVIDIA A100-SXM4-(40|80)GB|NVIDIA A100-PCIE-40GB|NVIDIA A100 80GB PCIe", 312.0),
-    Hardware("l40s", r"NVIDIA L40S", 362.1),
-    Hardware("mi300x", r"AMD Instinct MI300X", 1307.4),
+    Hardware("h100_sxm", r"NVIDIA H100 80GB HBM3|NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 79.6),
+    # The H100 SXM with 96 GB of HBM2e (2.4 TB/s) that TorchTitan's published Llama 3.1 tables ran on.
+    Hardware("h100_sxm_96gb", r"NVIDIA H100 SXM5 96GB|NVIDIA H100 96GB HBM2e", 989.4, 1978.9, 94.5, 2400.0),
+    Hardware("h100_pcie", r"NVIDIA H100 PCIe", 756.0, 1513.0, 79.6, 2000.0, 64.0),
+    Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5, 1670.9, 93.0, 3900.0, 300.0),
+    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0),
+    Hardware("a100", r"NVIDIA A100-SXM4-(40|80)GB|NVIDIA A100-PCIE-40GB|NVIDIA A100 80GB PCIe", 312.0, None, 79.2,
+             2039.0, 300.0, 25.0),
+    Hardware("l40s", r"NVIDIA L40S", 362.1, 733.0, 44.4, 864.0, 32.0, 25.0),
+    Hardware("mi300x", r"AMD Instinct MI300X", 1307.4, 2614.9, 191.5, 5300.0, 448.0),
 )
+ALIASES = {"h100": "h100_sxm"}
+CPU_MEASURED = "cpu-measured"
 
 
 def by_device_name(device_name: str) -> Hardware | None:
     """The profile whose pattern matches the whole device name, or None for a device it does not know."""
     return next((profile for profile in PROFILES if re.fullmatch(profile.device_names, device_name.strip())), None)
+
+
+def hardware_profile(name: str) -> Hardware:
+    """A profile by name (``h100``, ``a100``, ...), ``cpu-measured`` (this machine, measured now), or the path
+    of a YAML file with the fields of :class:`Hardware`."""
+    known = {p.name: p for p in PROFILES}
+    if name in known or name in ALIASES:
+        return known[ALIASES.get(name, name)]
+    if name == CPU_MEASURED:
+        return cpu_measured()
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError("--hardware", f"no file {path}", "give the path of a hardware YAML file")
+        fields = dict(OmegaConf.to_container(OmegaConf.load(path)))
+        fields.setdefault("name", path.stem)
+        fields.setdefault("device_names", "")
+        try:
+            return Hardware(**fields)
+        except TypeError as error:
+            raise ConfigError("--hardware", f"{path}: {error}",
+                              f"use the fields of titan_core.planning.hardware.Hardware") from None
+    choices = ", ".join([*known, *ALIASES, CPU_MEASURED])
+    raise ConfigError("--hardware", f"unknown hardware '{name}'", f"use one of {choices}, or a YAML file")
+
+
+def cpu_measured() -> Hardware:
+    """This machine: a float32 matmul's speed and a loopback socket's bandwidth (what gloo moves over between
+    local workers), measured now; all its workers on one node."""
+    import torch
+
+    from titan_core.metrics import measured_matmul_tflops
+
+    link = loopback_gbps()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return Hardware(CPU_MEASURED, "", bf16_tflops=measured_matmul_tflops(), memory_gib=memory,
+                    memory_gbps=_copy_gbps(torch), intra_node_gbps=link, inter_node_gbps=link,
+                    devices_per_node=1 << 20, achievable=1.0, device_type="cpu")
+
+
+def _copy_gbps(torch) -> float:
+    source = torch.empty(64 << 20, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start = time.perf_counter()
+    for _ in range(4):
+        target.copy_(source)
+    return 4 * 2 * source.numel() / (time.perf_counter() - start) / 1e9
+
+
+def loopback_gbps(megabytes: int = 64) -> float:
+    """GB/s of one TCP stream over the loopback interface."""
+    server = socket.create_server(("127.0.0.1", 0))
+    payload = bytes(1 << 20)
+
+    def send():
+        with socket.create_connection(server.getsockname()) as out:
+            for _ in range(megabytes):
+                out.sendall(payload)
+
+    sender = threading.Thread(target=send)
+    start = time.perf_counter()
+    sender.start()
+    connection, _ = server.accept()
+    received = 0
+    with connection, server:
+        while received < megabytes << 20:
+            chunk = connection.recv(1 << 20)
+            if not chunk:
+                break
+            received += len(chunk)
+    sender.join()
+    return received / (time.perf_counter() - start) / 1e9

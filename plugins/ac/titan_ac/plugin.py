@@ -90,3 +90,31 @@ def keep_results_of(op_names):
         keep = op.overloadpacket in saved and not op._schema.is_mutable
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return partial(create_selective_checkpoint_contexts, policy)
+
+
+# Of a step's FLOPs, the forward is a third (backward computes two gradients per forward matmul).
+FORWARD_SHARE = 1 / 3
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """ac: checkpointed blocks keep their input (full) or their expensive ops' results (selective_op) and
+    run their forward again in backward, one block at a time (what a block did not keep, it recomputes)."""
+    mode, every = plugin_config.mode, plugin_config.every
+    checkpointed = [i for i in estimate.blocks if mode != "selective_layer" or i % every == 0]
+    if mode == "selective_op":
+        ops = {"attention" if "attention" in op else op for op in plugin_config.save_ops}
+        estimate.keep = lambda index, saved, stream: min(saved, stream + estimate.facts.made_by(index, ops))
+        # The recomputed ops are the elementwise ones: their FLOPs are negligible, their memory traffic is not.
+        estimate.elementwise_passes += 1
+    else:
+        previous = estimate.keep
+        estimate.keep = lambda index, saved, stream: (
+            stream if mode == "full" or index % every == 0 else previous(index, saved, stream))
+        estimate.recomputed_fraction += FORWARD_SHARE * len(checkpointed) / max(len(estimate.blocks), 1)
+
+
+@hookimpl
+def plan_options():
+    """ac: off, selective (the matmuls' results kept) or full."""
+    return [None, {"mode": "selective_op"}, {"mode": "full"}]

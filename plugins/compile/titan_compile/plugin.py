@@ -105,3 +105,22 @@ def tp_regions(block: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
         raise RuntimeError(f"a block without all of {', '.join(names)}: cannot compile it under tensor parallel, "
                            "where a whole compiled block fails in backward")
     return regions
+
+
+# Of the elementwise traffic an eager step moves through device memory, what inductor's fusion leaves: the
+# fused kernels read each input and write each output once instead of once per op (an assumption the
+# planner's comparison with published runs measures, docs/planner.md).
+FUSED_TRAFFIC = 0.5
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """compile: inductor fuses the elementwise ops, halving their traffic through device memory."""
+    if plugin_config.backend == "inductor":
+        estimate.fusion *= FUSED_TRAFFIC
+
+
+@hookimpl
+def plan_options():
+    """compile: off or on (inductor)."""
+    return [None, {}]

@@ -149,3 +149,25 @@ def gathered_document_attention(group, token_positions: torch.Tensor):
         mask = document_causal_mask(document_ids, token_positions, key_documents, key_positions)
         return local_sdpa(q, keys, values, attn_mask=mask[:, None], enable_gqa=grouped(q, keys))
     return attend
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config, plan):
+    """cp: each rank keeps the activations of its share of the sequence; per block and micro-batch, the
+    other ranks' keys and values reach it in forward and again in backward, and their gradients go back."""
+    degree = plan.degree("cp")
+    estimate.sequence_split *= degree
+    estimate.add_collective(
+        f"keys and values around the ring ({plugin_config.rotate_method})", ("cp",),
+        lambda e: 3 * len(e.blocks) * e.facts.attention_kv / e.activation_split * e.microbatch_tokens
+        * e.microbatches_per_step() * (degree - 1), overlapped=plugin_config.rotate_method == "alltoall", plugin="cp")
+    if not plan.provides(DATA_PARALLEL_SHARDING):
+        estimate.add_collective("all-reduce of the gradients", ("cp",),
+                                lambda e: 2 * 4 * e.held_params() / e.weight_split * (degree - 1) / degree,
+                                overlapped=False, plugin="cp")
+
+
+@hookimpl
+def plan_options(config):
+    """cp: off, or 2, 4 or 8 ranks per sequence when each keeps at least 4,096 of its tokens."""
+    return [None, *({"degree": d} for d in (2, 4, 8) if config.training.seq_len // d >= 4096)]

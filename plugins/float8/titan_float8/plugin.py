@@ -121,3 +121,26 @@ def after_optimizer_step(model_parts, plugin_config):
             # The scales belong to FSDP's float8 all-gather; only FSDP2 modules carry it.
             if isinstance(part, FSDPModule):
                 precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config, plan):
+    """float8: the blocks' matmuls at the hardware's float8 peak, one more pass over each activation for the
+    casts, and float8 weights in FSDP's all-gather when fsdp_float8_all_gather is on."""
+    hardware = estimate.hardware
+    if estimate.device_type == "cuda" and not hardware.fp8_tflops:
+        raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
+                          "remove float8 from +plugins=[...], or plan for hardware that has them (h100, h200, ...)")
+    if hardware.fp8_tflops:
+        linear = 6 * sum(estimate.facts.block_params) / plan.model.flops_per_token(estimate.seq_len)
+        share = min(linear, 1.0)
+        estimate.matmul_speedup /= (1 - share) + share * hardware.bf16_tflops / hardware.fp8_tflops
+    estimate.elementwise_passes += 1
+    if plugin_config.fsdp_float8_all_gather:
+        estimate.gather_bytes = 1
+
+
+@hookimpl
+def plan_options(hardware):
+    """float8: off, or tensorwise with float8 all-gathers, on hardware with float8 matmuls."""
+    return [None, {"recipe": "tensorwise", "fsdp_float8_all_gather": True}] if hardware.fp8_tflops else [None]

@@ -5,6 +5,7 @@ context-parallel group hold different tokens of the same samples, so their gradi
 like those of different samples), and ``dp_replicate`` adds an outer replica dimension (HSDP).
 """
 
+import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan_core import ConfigError, Declaration, hookimpl
@@ -112,3 +113,64 @@ def _prefetch(blocks, depth: int) -> None:
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
         block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config, plan):
+    """fsdp: parameters, gradients and optimizer states divided over the shard ranks; each block's weights
+    gathered in forward and again in backward (behind the computation), gradients reduce-scattered."""
+    shards = plan.degree("dp_shard") * plan.degree("cp")
+    estimate.state_shards *= shards
+    estimate.compute_dtype = compute_dtype(plugin_config.param_dtype, "plugins.fsdp.param_dtype", estimate.device_type)
+    reduce_bytes = torch.finfo(FLOAT_DTYPES[plugin_config.reduce_dtype]).bits // 8
+    pipelined = "pp" in plan.mesh_shape
+    resharded = plugin_config.reshard_after_forward == "always" or (
+        plugin_config.reshard_after_forward == "default" and not pipelined)
+
+    def gathered(e):  # bytes of the weights one rank holds, as gathered
+        return e.held_params() / e.weight_split * gathered_bytes(e)
+
+    def sent(e, total):
+        return total * (shards - 1) / shards
+
+    micro = 1 if pipelined else estimate.grad_accum  # a pipeline gathers and reduces once per step
+    gathers = (2 if resharded else 1) * micro
+    estimate.add_collective("all-gather of the weights", ("dp_shard", "cp"), lambda e: sent(e, gathers * gathered(e)),
+                            overlapped=True, plugin="fsdp")
+    estimate.add_collective("reduce-scatter of the gradients", ("dp_shard", "cp"),
+                            lambda e: sent(e, micro * e.held_params() / e.weight_split * reduce_bytes),
+                            overlapped=True, plugin="fsdp")
+    replicas = plan.degree("dp_replicate")
+    if replicas > 1:
+        estimate.add_collective("all-reduce of the gradient shards", ("dp_replicate",),
+                                lambda e: 2 * micro * e.held_params() / e.weight_split / shards * reduce_bytes
+                                * (replicas - 1) / replicas, overlapped=True, plugin="fsdp")
+    if pipelined:
+        # torch's pipeline stages keep their FSDP weights gathered and their gradients unreduced until the
+        # last micro-batch's backward: whole, for every block of the rank.
+        estimate.add_memory("buffers", lambda e: e.held_params() / e.weight_split * gathered_bytes(e),
+                            "weights gathered for the whole step (pipeline)", "fsdp")
+        estimate.add_memory("buffers", lambda e: e.held_params() / e.weight_split * reduce_bytes,
+                            "gradients accumulated whole until the last micro-batch (pipeline)", "fsdp")
+        return
+    # As backward starts, the last block (never resharded) and the output layer's unit are gathered; then the
+    # block running backward, the ones prefetched, and the gradients of the one before being reduced.
+    estimate.add_memory("buffers", lambda e: (e.largest_block_params() + e.facts.outputs_params * e.holds_outputs)
+                        / e.weight_split * gathered_bytes(e), "the last block and the output gathered", "fsdp",
+                        when="start")
+    in_flight = 1 + max(plugin_config.prefetch, 1)
+    estimate.add_memory("buffers", lambda e: e.largest_block_params() / e.weight_split * (
+        in_flight * gathered_bytes(e) + reduce_bytes), "gathered blocks and a reduce-scatter", "fsdp", when="blocks")
+
+
+def gathered_bytes(estimate) -> int:
+    """Bytes per weight element as gathered: float8 when a plugin says so, else the compute dtype's."""
+    return estimate.gather_bytes or torch.finfo(estimate.compute_dtype).bits // 8
+
+
+@hookimpl
+def plan_options(world_size, hardware):
+    """fsdp: shard over every rank the others leave; across nodes, also HSDP with one replica per node."""
+    nodes = world_size // hardware.devices_per_node
+    return [{"degree": -1, "replicate_degree": 1}] + (
+        [{"degree": -1, "replicate_degree": nodes}] if nodes > 1 and world_size % hardware.devices_per_node == 0 else [])

@@ -162,3 +162,42 @@ def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
 
 def _layout(plugin_config, plan) -> Layout:
     return stage_layout(plugin_config, plan.model.n_layers, plan.degree("pp"))
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config, plan):
+    """pp: each rank holds its stages' blocks and keeps the activations of the micro-batches its schedule has
+    in flight (1F1B: fewer on later stages; GPipe: all), idles for the schedule's bubble and sends the
+    residual stream to the next stage (and its gradient back) per micro-batch."""
+    layout = _layout(plugin_config, plan)
+    kind = schedule_kind(plugin_config)
+    degree, chunks, microbatches = layout.degree, layout.stages_per_rank, layout.microbatches
+    estimate.microbatch_rows //= microbatches
+    last = layout.num_stages - 1
+
+    def in_flight(rank: int) -> float:
+        """Micro-batches whose activations rank ``rank`` holds at once, in units of all its blocks."""
+        if plugin_config.schedule in ("GPipe", "LoopedBFS"):
+            return microbatches
+        if not kind.looped:
+            return min(microbatches, degree - rank)
+        warmup = min(microbatches * chunks, (chunks - 1) * degree + 2 * (degree - rank - 1) + 1)
+        return warmup / chunks
+
+    estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
+                           holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r),
+                           microbatches_in_flight=in_flight(r)) for r in range(degree)]
+    estimate.blocks = estimate.ranks[0]["blocks"]
+    rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
+    estimate.bubble = (degree - 1) / (rounds + degree - 1)
+    estimate.add_collective("residual stream between stages", ("pp",),
+                            lambda e: 2 * chunks * e.facts.block_input * e.microbatch_tokens * e.microbatches_per_step(),
+                            overlapped=False, plugin="pp")
+
+
+@hookimpl
+def plan_options(model):
+    """pp: off, or 2, 4 or 8 stages with 1F1B or Interleaved 1F1B, as many micro-batches as the schedule
+    needs at least (a plan whose blocks or batch do not split is refused and dropped)."""
+    return [None, *({"degree": d, "schedule": schedule} for d in (2, 4, 8) if d <= model.n_layers
+                    for schedule in ("1F1B", "Interleaved1F1B"))]

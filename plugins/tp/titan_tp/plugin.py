@@ -210,3 +210,35 @@ def apply_async_tp(tp_mesh) -> None:
 def batch_context(plugin_config):
     """tp: cross entropy and its backward dispatch to the vocabulary-sharded versions inside this context."""
     return loss_parallel() if plugin_config.loss_parallel else None
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config, plan):
+    """tp: every weight split over the tp ranks, the blocks' activations too (but the linears' gathered
+    inputs, and without sequence parallel all that has the stream's shape), the logits under loss parallel; per block and micro-batch,
+    two all-gathers and two reduce-scatters of the residual stream (or two all-reduces) in each of forward
+    and backward, which the step waits for (AsyncTP hides them behind the matmuls)."""
+    degree = plan.degree("tp")
+    estimate.weight_split *= degree
+    # Kept whole on every rank: what has the residual stream's shape without sequence parallel (norms, sums),
+    # and with it the column-wise linears' inputs, gathered along the sequence (two per block).
+    facts = estimate.facts
+    saved = max(facts.block_saved, default=0.0)
+    whole = (2 * facts.block_input if plugin_config.sequence_parallel
+             else max(facts.block_stream_saved, default=0.0))
+    estimate.activation_split *= saved / ((saved - whole) / degree + whole) if saved > whole else 1
+    if plugin_config.loss_parallel:  # the logits and the loss's tensors of their shape, split by vocabulary
+        estimate.outer_split *= facts.outer_saved / (facts.outer_logits / degree + facts.outer_saved - facts.outer_logits)
+    estimate.add_collective(
+        "residual stream gathered and reduced", ("tp",),
+        lambda e: 8 * len(e.blocks) * e.facts.block_input * e.microbatch_tokens * e.microbatches_per_step()
+        * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp")
+
+
+@hookimpl
+def plan_options(model, hardware):
+    """tp: off, or degrees 2, 4, 8 that divide the model's heads and stay within a node's fast links."""
+    layout = model.tensor_parallel
+    degrees = [d for d in (2, 4, 8) if d <= hardware.devices_per_node
+               and all(count % d == 0 for count in (layout.divisible.values() if layout else ()))]
+    return [None, *({"degree": d} for d in degrees)] if layout is not None else [None]

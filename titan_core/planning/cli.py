@@ -1,0 +1,116 @@
+"""``python -m titan_core.plan [--hardware NAME|FILE] <the overrides of a run>``: one rank's memory and step
+time for that job on that hardware, before launch and without a device.
+
+The job is composed and checked exactly as ``python -m titan_core.run`` checks it (same one-line errors),
+except that the devices are the hardware profile's, not this machine's: ``launch.world_size`` (or the
+degrees) sizes the world, whatever this machine holds.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from titan_core.errors import ConfigError
+
+USAGE = ("usage: python -m titan_core.plan [--hardware h100|a100|...|cpu-measured|FILE.yaml] [--recommend] "
+         "[overrides ...]")
+
+
+def split_flags(argv: list[str]) -> tuple[str, bool, list[str]]:
+    """The hardware named by ``--hardware`` (default h100), whether ``--recommend`` is given, and the remaining
+    arguments (the overrides)."""
+    hardware, recommend, rest, args = "h100", False, [], iter(argv)
+    for arg in args:
+        if arg == "--hardware" or arg.startswith("--hardware="):
+            value = arg.partition("=")[2] or next(args, None)
+            if not value:
+                raise ConfigError("--hardware", "needs a value", "give --hardware h100 (or another profile)")
+            hardware = value
+        elif arg == "--recommend":
+            recommend = True
+        elif arg.startswith("-"):
+            raise ConfigError(arg, "is not an option of the plan command", USAGE)
+        else:
+            rest.append(arg)
+    return hardware, recommend, rest
+
+
+def composed(overrides: list[str]):
+    """The job config of a command line's overrides, checked as ``run`` checks it before planning."""
+    from hydra import compose, initialize_config_module
+
+    from titan_core.run import check_command_line
+    from titan_core.schema import check_config_kinds
+
+    check_command_line(overrides)
+    with initialize_config_module("titan_core.conf", version_base=None):
+        config = compose("config", overrides=overrides)
+    check_config_kinds(config)
+    return config
+
+
+def job_estimate(argv: list[str]):
+    """The plan and the :class:`~titan_core.planning.estimate.Estimate` of a command line (``--hardware`` and
+    the overrides of a run); raises ConfigError on bad input."""
+    from titan_core.data import load_tokenizer
+    from titan_core.plan import build_plan, plugin_manager
+    from titan_core.planning.costs import estimate
+    from titan_core.planning.hardware import hardware_profile
+    from titan_core.run import check_job
+
+    hardware_name, _, overrides = split_flags(argv)
+    hardware = hardware_profile(hardware_name)
+    config = composed(overrides)
+    vocab_size = load_tokenizer(config.tokenizer).vocab_size
+    pm = plugin_manager(config)
+    plan = build_plan(config, pm, None, vocab_size)
+    check_job(config, plan)
+    return plan, estimate(config, plan, pm, hardware)
+
+
+def plan_costs(argv: list[str]) -> str:
+    """What the plan command prints for a command line."""
+    from titan_core.planning.costs import report
+
+    if split_flags(argv)[1]:
+        return recommendations(argv)
+    plan, result = job_estimate(argv)
+    return plan.describe() + "\n" + report(result)
+
+
+def recommendations(argv: list[str]) -> str:
+    """The best plans for the cluster of a command line, as the command lines that run them."""
+    from titan_core.data import load_tokenizer
+    from titan_core.planning.hardware import hardware_profile
+    from titan_core.planning.recommend import recommend
+
+    hardware_name, _, overrides = split_flags(argv)
+    hardware = hardware_profile(hardware_name)
+    config = composed(overrides)
+    best, tried = recommend(config, hardware, load_tokenizer(config.tokenizer).vocab_size)
+    world = config.launch.world_size
+    if not best:
+        raise ConfigError("launch.world_size", f"none of the {tried} plans of these plugins fits {world} x "
+                          f"{hardware.name} ({hardware.usable_gib:.1f} GiB usable each)",
+                          "add devices, shorten training.seq_len or the batch, or enable more plugins (ac, tp, pp)")
+    lines = [f"titan-core: the {len(best)} fastest of {tried} plans that fit {world} x {hardware.name} "
+             f"({hardware.usable_gib:.1f} of {hardware.memory_gib:.1f} GiB each), predicted:"]
+    for candidate in best:
+        enabled = candidate.overrides[0][len("+plugins=["):-1].split(",")
+        chosen = {o.partition("=")[0] for o in candidate.overrides[1:]}
+        # The user's own settings stay, those of a plugin the plan leaves out or sets otherwise excepted.
+        kept = [o for o in overrides if not o.startswith(("+plugins", "plugins.")) or (
+            o.startswith("plugins.") and o.split(".")[1] in enabled and o.partition("=")[0] not in chosen)]
+        lines.append(f"  {candidate.tokens_per_device:,.0f} tokens/s/device, {candidate.memory_gib:.1f} GiB: "
+                     f"python -m titan_core.run {' '.join([*kept, *candidate.overrides])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        print(plan_costs(sys.argv[1:] if argv is None else argv))
+    except ConfigError as error:
+        from titan_core.run import EXIT_BAD_INPUT
+
+        print(f"titan-core: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)

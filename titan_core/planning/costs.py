@@ -1,0 +1,101 @@
+"""Run every enabled plugin's ``estimate_costs`` on the model's estimate, and print the sum."""
+
+from __future__ import annotations
+
+import torch
+
+from titan_core.errors import ConfigError
+from titan_core.plan import Hooks, Plan
+from titan_core.planning.estimate import CATEGORIES, GIB, Estimate, evaluated
+from titan_core.planning.facts import model_facts
+from titan_core.planning.hardware import Hardware
+
+
+def estimate(config, plan: Plan, pm, hardware: Hardware, traced: dict | None = None) -> Estimate:
+    """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
+    ``traced`` keeps the model's facts by dtype between estimates of the same model and sequence length."""
+    traced = {} if traced is None else traced
+
+    def facts_in(dtype: torch.dtype):
+        if dtype not in traced:
+            traced[dtype] = model_facts(plan.model, pm.hook.build_model, dtype, config.training.seq_len)
+        return traced[dtype]
+
+    training = config.training
+    result = Estimate(config=config, plan=plan, hardware=hardware, facts_in=facts_in,
+                      device_type=hardware.device_type,
+                      blocks=list(range(plan.model.n_layers)),
+                      microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps)
+    hooks = Hooks(pm, plan, config)
+    for name in (p.name for p in plan.plugins):
+        if any(impl.plugin_name == name for impl in pm.hook.estimate_costs.get_hookimpls()):
+            hooks.call(name, "estimate_costs", estimate=result, config=config)
+            result.counted.append(name)
+        else:
+            result.not_counted.append(name)
+    result.facts  # traced now, in the dtype the plugins chose, so that a model the trace cannot run fails here
+    return result
+
+
+def report(result: Estimate) -> str:
+    """The estimate as the plan command prints it."""
+    result = result.most_loaded()
+    hardware, plan, config = result.hardware, result.plan, result.config
+    memory = result.memory()
+    total = sum(memory.values())
+    shape = " x ".join(f"{d} {n}" for d, n in plan.mesh_shape.items()) or "one process"
+    lines = [f"titan-core estimate: {plan.model.family}, world {plan.world_size} ({shape}), "
+             f"{hardware.name} ({hardware.memory_gib:.1f} GiB, {hardware.peak_tflops():.3g} TFLOPS bf16 dense)",
+             f"  memory per rank (the most loaded), at its peak: {_size(total)} "
+             f"({'fits' if total / GIB <= hardware.usable_gib else 'DOES NOT FIT'} in the {hardware.usable_gib:.1f} "
+             f"GiB a plan may fill of {hardware.memory_gib:.1f})"]
+    for category in CATEGORIES:
+        lines.append(f"    {category:<12} {_size(memory[category]):>11}" + (
+            "  (made in backward as the activations are freed)" if category == "gradients" and not memory[category]
+            else "  (freed by then)" if category == "activations" and not memory[category] else ""))
+        for term_category, what, nbytes, plugin, when in result.memory_terms:
+            if term_category == category:
+                moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)"}.get(when, "")
+                lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}{moment}")
+    seconds = result.step_seconds()
+    tokens = config.training.global_batch_size * config.training.seq_len
+    flops = result.step_flops()
+    lines += [f"  step: {seconds['step']:.4g} s = " + ", ".join(
+                  f"{part} {value:.4g}" for part, value in seconds.items() if part != "step"),
+              f"  FLOPs per rank per step: {flops:.4g}; MFU {flops / seconds['step'] / (hardware.peak_tflops() * 1e12):.1%}",
+              f"  throughput: {result.tokens_per_device():,.0f} tokens/s/device "
+              f"({tokens / seconds['step']:,.0f} tokens/s for the job)"]
+    for c in result.collectives:
+        lines.append(f"  collective {c.plugin}: {c.name} over {' x '.join(c.dims)}: {_size(evaluated(c.bytes, result))} per step "
+                     f"at {result.link_gbps(c.dims):.0f} GB/s{' (overlapped)' if c.overlapped else ''}")
+    if result.not_counted:
+        lines.append(f"  not counted (no estimate_costs hook): {', '.join(result.not_counted)}")
+    return "\n".join(lines)
+
+
+def estimate_here(config, plan: Plan) -> str:
+    """The estimate on the devices this job would run on (the dry run's): the GPU's profile, or this CPU
+    measured now."""
+    from titan_core.mesh import device_kind
+    from titan_core.plan import plugin_manager
+    from titan_core.planning.hardware import by_device_name, cpu_measured
+
+    if device_kind(config.launch.device) == "cuda":
+        name = torch.cuda.get_device_name()
+        hardware = by_device_name(name)
+        if hardware is None:
+            return (f"titan-core estimate: no profile for '{name}'; plan it with python -m titan_core.plan "
+                    "--hardware <a YAML file of its figures>")
+    else:
+        hardware = cpu_measured()
+    try:
+        return report(estimate(config, plan, plugin_manager(config), hardware))
+    except ConfigError as error:  # the job itself was checked: what the planner cannot price is no reason to stop
+        return f"titan-core estimate: not available: {error}"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -1,0 +1,244 @@
+"""One rank's memory and step time for a plan, as the enabled plugins say they change them.
+
+The core starts an :class:`Estimate` from the model alone (one process, float32, every block, no
+recomputation), calls every enabled plugin's ``estimate_costs`` hook in plan order, and sums. A plugin
+changes the fields below that its technique changes (sharding divides, checkpointing trades, pipelining keeps
+micro-batches in flight) and adds what it alone costs (its collectives, its buffers) with :meth:`add_memory`
+and :meth:`add_collective`. The core knows no plugin: a plugin that does not implement the hook is listed as
+not counted, so an estimate never silently leaves a technique out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from titan_core.planning.facts import ModelFacts
+from titan_core.planning.hardware import Hardware
+
+GIB = 2**30
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective one rank takes part in: ``bytes`` it sends per optimizer step over the ranks of ``dims``.
+
+    ``overlapped``: it runs behind computation (prefetched all-gathers, the ring's exchanges), so only the
+    part longer than the computation shows in the step time; otherwise the step waits for it.
+    """
+
+    name: str
+    dims: tuple[str, ...]
+    bytes: float
+    overlapped: bool
+    plugin: str
+
+
+def evaluated(amount, estimate: Estimate) -> float:
+    """A plugin's number of bytes: as given, or its function of the estimate evaluated now."""
+    return float(amount(estimate) if callable(amount) else amount)
+
+
+@dataclass
+class Estimate:
+    """One rank's costs, the most loaded rank where ranks differ. Plugins change these fields:
+
+    Where parameters live: ``weight_split`` (ranks each weight is split over: tensor parallel),
+    ``state_shards`` (ranks the parameters, gradients and optimizer states are sharded over: FSDP),
+    ``blocks`` (indices of the blocks this rank holds; ``holds_inputs``/``holds_outputs``: whether it runs the
+    embeddings and the output: pipeline stages), ``compute_dtype`` (what activations and gathered weights are
+    in), ``gather_bytes`` (bytes per weight element moved by a weight all-gather, None: ``compute_dtype``'s).
+
+    Activations, per micro-batch of ``microbatch_rows`` rows of ``seq_len`` tokens: ``sequence_split`` (ranks
+    a sequence is split over: context parallel), ``activation_split`` / ``outer_split`` (ranks the blocks' /
+    the outputs' and loss's activations are split over: tensor and sequence parallel, loss parallel),
+    ``microbatches_in_flight`` (micro-batches whose activations are alive at once: pipeline schedules),
+    ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps, from what it would keep
+    without checkpointing and its input stream: activation checkpointing; a block recomputes in backward what it
+    did not keep).
+
+    Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
+    ``matmul_speedup`` (float8), ``elementwise_passes`` (times each activation crosses device memory in a
+    step: casts and recomputation add to it), ``fusion`` (the share of that traffic left once a compiler fuses
+    the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules).
+    """
+
+    config: object
+    plan: object
+    hardware: Hardware
+    facts_in: Callable[[torch.dtype], ModelFacts]
+    device_type: str = "cuda"
+    weight_split: int = 1
+    state_shards: int = 1
+    blocks: list[int] = field(default_factory=list)
+    holds_inputs: bool = True
+    holds_outputs: bool = True
+    compute_dtype: torch.dtype = torch.float32
+    gather_bytes: float | None = None
+    microbatch_rows: int = 1
+    sequence_split: int = 1
+    activation_split: int = 1
+    outer_split: int = 1
+    microbatches_in_flight: int = 1
+    keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
+    recomputed_fraction: float = 0.0
+    matmul_speedup: float = 1.0
+    elementwise_passes: float = 4.0
+    fusion: float = 1.0
+    bubble: float = 0.0
+    ranks: list[dict] = field(default_factory=list)
+    memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
+    collectives: list[Collective] = field(default_factory=list)
+    counted: list[str] = field(default_factory=list)
+    not_counted: list[str] = field(default_factory=list)
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.facts_in(self.compute_dtype)
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.training.seq_len
+
+    @property
+    def grad_accum(self) -> int:
+        return self.config.training.grad_accum_steps
+
+    def add_memory(self, category: str, nbytes, what: str, plugin: str, when: str | None = None) -> None:
+        """Memory this plugin alone holds (``buffers`` for communication buffers): throughout the step, or only
+        ``when`` it is ``"start"`` (as backward starts) or ``"blocks"`` (while the blocks run backward), the two
+        moments :meth:`memory` weighs for the peak.
+
+        ``nbytes`` may be a function of the estimate, called when it is summed: it then sees the fields as every
+        plugin left them (the dtype FSDP computes in, the blocks each pipeline rank holds)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
+        if when not in (None, "start", "blocks"):
+            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start' or 'blocks'")
+        self.memory_terms.append((category, what, nbytes, plugin, when))
+
+    def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str) -> None:
+        """A collective this plugin runs: ``nbytes`` sent by one rank per optimizer step over ``dims`` (a number,
+        or a function of the estimate, called when it is summed, as in :meth:`add_memory`)."""
+        self.collectives.append(Collective(name, tuple(dims), nbytes, overlapped, plugin))
+
+    def most_loaded(self) -> Estimate:
+        """The rank of ``ranks`` with the most memory (this estimate when all ranks are alike)."""
+        kinds = [replace(self, ranks=[], **fields) for fields in self.ranks] or [self]
+        return max(kinds, key=lambda rank: sum(rank.memory().values()))
+
+    # What the fields add up to --------------------------------------------------------------------------------
+
+    def held_params(self) -> float:
+        """Parameters of the model parts this rank holds, before any split."""
+        facts = self.facts
+        return (sum(facts.block_params[i] for i in self.blocks) + facts.other_params
+                + facts.inputs_params * self.holds_inputs + facts.outputs_params * self.holds_outputs)
+
+    def largest_block_params(self) -> int:
+        return max((self.facts.block_params[i] for i in self.blocks), default=0)
+
+    @property
+    def microbatch_tokens(self) -> float:
+        """Tokens of one micro-batch on this rank."""
+        return self.microbatch_rows * self.seq_len / self.sequence_split
+
+    def kept_per_token(self) -> float:
+        """Activation bytes per token of one micro-batch this rank keeps until its backward."""
+        facts = self.facts
+        blocks = sum(self.keep(i, facts.block_saved[i], facts.block_input) for i in self.blocks)
+        outer = facts.outer_saved if self.holds_outputs else 0.0
+        return blocks / self.activation_split + outer / self.outer_split
+
+    def gradients_at_peak(self) -> bool:
+        """Whether every gradient exists throughout backward: a step of several micro-batches accumulates them."""
+        return self.microbatches_per_step() > 1
+
+    def memory(self) -> dict[str, float]:
+        """Bytes per category at the step's peak, found by walking the last micro-batch's backward.
+
+        As backward starts, every block keeps its activations and the loss and outputs make their gradients (the
+        logits'). Then block by block, last first: the blocks before it still keep theirs, it recomputes what it
+        did not keep and holds its output's gradient and what its backward makes (measured by the trace), and
+        the blocks after it have made their weights' gradients.
+        """
+        facts, tokens = self.facts, self.microbatch_tokens
+        shards = self.weight_split * self.state_shards
+        state = self.held_params() / shards
+        others = (self.microbatches_in_flight - 1) * tokens * self.kept_per_token()
+        kept = [tokens * self.keep(i, facts.block_saved[i], facts.block_input) / self.activation_split
+                for i in self.blocks]
+        outer = tokens * facts.outer_saved / self.outer_split if self.holds_outputs else 0.0
+        loss_backward = tokens * facts.loss_backward / self.outer_split if self.holds_outputs else 0.0
+        all_gradients = 4 * state
+        made = 4 * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # the blocks' come later
+        start, blocks = ({category: 0.0 for category in CATEGORIES} for _ in range(2))
+        memory = {category: 0.0 for category in CATEGORIES}
+        for category, _, nbytes, _, when in self.memory_terms:
+            {"start": start, "blocks": blocks, None: memory}[when][category] += evaluated(nbytes, self)
+        # (activations, gradients, this moment's own terms)
+        phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
+        for position in reversed(range(len(self.blocks))):
+            i = self.blocks[position]
+            recomputed = facts.block_saved[i] - self.keep(i, facts.block_saved[i], facts.block_input)
+            working = facts.block_input + recomputed + facts.block_backward[i]  # with its output's gradient
+            phases.append((others + sum(kept[:position + 1]) + tokens * working / self.activation_split, made, blocks))
+            made += 4 * facts.block_params[i] / shards
+        phases.append((others, all_gradients, blocks))
+        if self.gradients_at_peak():
+            phases = [(activations, all_gradients, own) for activations, _, own in phases]
+        activations, gradients, own = max(phases, key=lambda phase: phase[0] + phase[1] + sum(phase[2].values()))
+        memory["parameters"] += 4 * state
+        memory["gradients"] += gradients
+        memory["activations"] += activations
+        memory["optimizer"] += (4 if self.config.optimizer.state_dtype == "bfloat16" else 8) * state
+        memory["buffers"] += facts.buffer_bytes
+        return {category: memory[category] + own[category] for category in CATEGORIES}
+
+    def step_flops(self) -> float:
+        """The model's training FLOPs per optimizer step on one rank (recomputation not counted, as MFU)."""
+        training = self.config.training
+        tokens = training.global_batch_size * training.seq_len
+        return self.plan.model.flops_per_token(training.seq_len) * tokens / self.plan.world_size
+
+    def link_gbps(self, dims: tuple[str, ...]) -> float:
+        """The bandwidth of a group over ``dims``: NVLink-class when its ranks fit in one node."""
+        order = list(self.plan.mesh_shape)  # outermost first
+        outermost = min((order.index(d) for d in dims if d in order), default=len(order))
+        span = math.prod(self.plan.mesh_shape.get(d, 1) for d in order[outermost:])
+        return self.hardware.intra_node_gbps if span <= self.hardware.devices_per_node else self.hardware.inter_node_gbps
+
+    def collective_seconds(self, collective: Collective) -> float:
+        return evaluated(collective.bytes, self) / (self.link_gbps(collective.dims) * 1e9)
+
+    def step_seconds(self) -> dict[str, float]:
+        """Seconds of one optimizer step on one rank, by part, and the total."""
+        hardware = self.hardware
+        matmul = (self.step_flops() * (1 + self.recomputed_fraction)
+                  / (hardware.peak_tflops() * 1e12 * hardware.achievable * self.matmul_speedup))
+        facts = self.facts
+        produced = (sum(facts.block_saved[i] for i in self.blocks) / self.activation_split
+                    + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
+        tokens = self.microbatch_tokens * self.microbatches_per_step()
+        elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)
+        compute = matmul + elementwise
+        hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
+        waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)
+        busy = max(compute, hidden) + waited
+        total = busy / (1 - self.bubble)
+        return {"matmul": matmul, "elementwise": elementwise, "exposed communication": busy - compute,
+                "pipeline bubble": total - busy, "step": total}
+
+    def tokens_per_device(self) -> float:
+        """Predicted training tokens per second per device (TPS/GPU)."""
+        training = self.config.training
+        return training.global_batch_size * training.seq_len / self.step_seconds()["step"] / self.plan.world_size
+
+    def microbatches_per_step(self) -> float:
+        """Micro-batches this rank runs per optimizer step."""
+        rows = self.config.training.global_batch_size / self.plan.dp_size
+        return rows / self.microbatch_rows

@@ -1,0 +1,255 @@
+"""What the planner measures of a model itself: its parameters and the activations autograd keeps, per token.
+
+Nothing is allocated: the model plugin builds the model on the meta device, and one forward of a few tokens
+and the core's loss runs on meta tensors while ``saved_tensors_hooks`` record each tensor autograd keeps for
+backward (parameters and buffers left out). Attention is counted as the fused kernels GPUs run keep it
+(query, key, value, output and one float per head and token), not as the score matrix meta tensors would
+materialize, so every figure is linear in the tokens and a trace of a few tokens prices any sequence length.
+Any model plugin is measured this way: its description needs nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_core.description import ModelDescription
+from titan_core.errors import ConfigError
+
+# Positions traced (at most): enough for every shape to be general, few enough to be instant for 405B.
+TRACE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """One model's parameter counts and kept activations (bytes per token, in the dtype it was traced in).
+
+    ``block_params[i]``/``block_saved[i]``: block ``i``; ``inputs_params``/``outputs_params``: the modules the
+    description names as run before / after the blocks (embeddings; final norm and output); ``outer_saved``:
+    what the inputs, outputs and the loss keep (the logits, in float32 for the loss), of which ``outer_logits``
+    have the logits' shape (what loss parallel splits by vocabulary); ``block_input``: the
+    residual stream entering a block, what full checkpointing keeps of it; ``block_stream_saved[i]``: the part of
+    ``block_saved[i]`` shaped like that stream (what tensor parallel leaves whole: it splits heads and hidden
+    units, not the stream); ``block_made[i]``: bytes per token of
+    the results of each aten op of block ``i``, by op name (what selective checkpointing chooses among);
+    ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
+    ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
+    that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
+    ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients).
+    """
+
+    block_params: tuple[int, ...]
+    inputs_params: int
+    outputs_params: int
+    other_params: int
+    block_saved: tuple[float, ...]
+    block_stream_saved: tuple[float, ...]
+    block_input: float
+    outer_saved: float
+    outer_logits: float
+    block_made: tuple[dict[str, float], ...]
+    attention_kv: float
+    buffer_bytes: int
+    block_backward: tuple[float, ...]
+    loss_backward: float
+
+    @property
+    def params(self) -> int:
+        return sum(self.block_params) + self.inputs_params + self.outputs_params + self.other_params
+
+    def made_by(self, index: int, ops) -> float:
+        """Bytes per token of block ``index``'s results of the named aten ops (``attention``: the attention's
+        output and log-sum-exp, whichever kernel computes it)."""
+        return sum(nbytes for op, nbytes in self.block_made[index].items() if op in ops)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Tracer(TorchDispatchMode):
+    """Records, per block, what autograd keeps and what each aten op makes, as bytes per token."""
+
+    active: _Tracer | None = None
+
+    def __init__(self, positions: int, learned: set[int], n_blocks: int):
+        super().__init__()
+        self.positions, self.learned = positions, learned
+        self.block: int | None = None  # the block running, None outside the blocks
+        self.kept_alive: list[torch.Tensor] = []  # so that no other storage reuses a recorded one's address
+        self.saved: dict[int, tuple[int | None, int, tuple[int, ...]]] = {}  # storage -> block, bytes, shape
+        self.made = [{} for _ in range(n_blocks)]
+        self.block_input = 0.0
+        self.stream_shape: tuple[int, ...] = ()
+        self.attention_kv = 0.0
+        # Backward: every allocation and free in order, and where each block's backward starts and ends.
+        self.timeline: list[tuple[str, int, int]] = []
+        self.alive: dict[int, int] = {}  # id of a live storage -> its key
+        self.next_key = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in self.learned and storage._cdata not in self.saved:
+            self.kept_alive.append(tensor)
+            self.saved[storage._cdata] = (self.block, storage.nbytes(), tuple(tensor.shape))
+        return tensor
+
+    def record(self, name: str, *results: torch.Tensor) -> None:
+        if self.block is not None:
+            made = self.made[self.block]
+            made[name] = made.get(name, 0.0) + sum(map(_nbytes, results)) / self.positions
+
+    def enter(self, index: int, module, args) -> None:
+        self.block = index
+        self.block_input = _nbytes(args[0]) / self.positions
+        self.stream_shape = tuple(args[0].shape)
+
+    def leave(self, module, args, output) -> None:
+        self.block = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
+        self.record(func.overloadpacket.__name__, *results)
+        for result in results:
+            self.allocated(result.untyped_storage())
+        return out
+
+    def allocated(self, storage) -> None:
+        if id(storage) in self.alive or storage._cdata in self.learned:
+            return
+        key, nbytes = self.next_key, storage.nbytes()
+        self.next_key += 1
+        self.alive[id(storage)] = key
+        self.timeline.append(("+", key, nbytes))
+        weakref.finalize(storage, self.freed, id(storage), key, nbytes)
+
+    def freed(self, storage_id: int, key: int, nbytes: int) -> None:
+        self.alive.pop(storage_id, None)
+        self.timeline.append(("-", key, nbytes))
+
+    def mark(self, what: str, index: int, *_) -> None:
+        self.timeline.append((what, index, 0))
+
+    def backward_peaks(self, gradients: set[int], n_blocks: int) -> tuple[list[float], float]:
+        """Per block, the most its backward held at once beyond what it started with, and the same for what
+        runs before the last block's backward (the loss and the outputs); weights' gradients left out."""
+        live, start, peaks, current = 0, 0, [0.0] * n_blocks, None
+        loss_peak, before_blocks = 0, True
+        for what, key, nbytes in self.timeline:
+            if what in "+-":
+                if key not in gradients:
+                    live += nbytes if what == "+" else -nbytes
+            elif what == "start":
+                if before_blocks:
+                    loss_peak, before_blocks = loss_peak - start, False
+                current, start = key, live
+            elif what == "end":
+                current = None
+            elif what == "backward":
+                start = loss_peak = live
+            if current is not None:
+                peaks[current] = max(peaks[current], live - start)
+            elif before_blocks:
+                loss_peak = max(loss_peak, live)
+        return [p / self.positions for p in peaks], (loss_peak if not before_blocks else 0) / self.positions
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a GPU's fused attention keeps for backward, on meta tensors: q, k, v, the output, the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        tracer = _Tracer.active
+        tracer.record("attention", out, lse)
+        tracer.attention_kv = max(tracer.attention_kv, (_nbytes(k) + _nbytes(v)) / tracer.positions)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fused_attention(q, k, v, *args, **kwargs):
+    return _FusedAttention.apply(q, k, v)
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_len: int) -> ModelFacts:
+    """The facts of the model ``description`` describes, built by ``build(description=...)`` (the model
+    plugin's ``build_model`` hook) and traced in ``dtype`` on at most ``TRACE_TOKENS`` of ``seq_len`` positions."""
+    with torch.device("meta"):
+        model = build(description=description)
+    buffer_bytes = sum(_nbytes(b) for b in model.buffers())
+    model.to(dtype)
+    blocks = list(description.blocks_of(model).values()) if description.blocks else []
+    tracer = _Tracer(min(TRACE_TOKENS, seq_len), {t.untyped_storage()._cdata for t in [*model.parameters(),
+                                                                                      *model.buffers()]}, len(blocks))
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(functools.partial(tracer.enter, index))
+        block.register_forward_hook(tracer.leave)
+        block.register_full_backward_pre_hook(functools.partial(tracer.mark, "start", index))
+        block.register_full_backward_hook(functools.partial(tracer.mark, "end", index))
+    tokens = torch.zeros(1, tracer.positions, dtype=torch.long, device="meta")
+    _Tracer.active = tracer
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t))
+            stack.enter_context(_patched(F, "scaled_dot_product_attention", _fused_attention))
+            stack.enter_context(tracer)
+            try:
+                logits = model(tokens)
+            except (NotImplementedError, RuntimeError) as error:
+                # Routing by value (a mixture of experts counting its tokens per expert) needs real numbers.
+                raise ConfigError("model.name", f"model '{description.family}' cannot run on the meta device, which "
+                                  f"the planner traces it on: {str(error).splitlines()[0]}",
+                                  "plan a model whose forward needs no values (mixture-of-experts routing is not "
+                                  "planned yet)") from None
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+        # Backward frees what forward kept as it goes: only autograd holds those tensors from here.
+        tracer.kept_alive.clear()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_patched(F, "scaled_dot_product_attention", _fused_attention))
+            stack.enter_context(tracer)
+            tracer.mark("backward", -1)
+            loss.backward()
+    finally:
+        _Tracer.active = None
+    gradients = {tracer.alive[id(p.grad.untyped_storage())] for p in model.parameters()
+                 if p.grad is not None and id(p.grad.untyped_storage()) in tracer.alive}
+    block_backward, loss_backward = tracer.backward_peaks(gradients, len(blocks))
+    per_block, streams, outer, outer_logits = [0.0] * len(blocks), [0.0] * len(blocks), 0.0, 0.0
+    for block, nbytes, shape in tracer.saved.values():
+        if block is None:
+            outer += nbytes / tracer.positions
+            outer_logits += nbytes / tracer.positions if shape[-1:] == logits.shape[-1:] else 0.0
+        else:
+            per_block[block] += nbytes / tracer.positions
+            streams[block] += nbytes / tracer.positions if shape == tracer.stream_shape else 0.0
+    counts = {group: sum(p.numel() for path in paths or () for p in model.get_submodule(path).parameters())
+              for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
+    block_params = tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
+    total = sum(p.numel() for p in model.parameters())
+    return ModelFacts(block_params=block_params, inputs_params=counts["inputs"], outputs_params=counts["outputs"],
+                      other_params=total - sum(block_params) - counts["inputs"] - counts["outputs"],
+                      block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input, outer_saved=outer, outer_logits=outer_logits,
+                      block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
+                      buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward)

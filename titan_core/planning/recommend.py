@@ -1,0 +1,78 @@
+"""``python -m titan_core.plan --recommend``: the fastest plans that fit a cluster, as command lines.
+
+The candidates are the plugins the command line enables: each says, through its ``plan_options`` hook, which
+settings are worth trying on this cluster (and whether it may be left out). Every combination is checked as
+``run`` would check it (a plan a plugin refuses is dropped), estimated, kept if it fits the devices' memory,
+and ranked by predicted tokens/s/device. The core knows no plugin: a third party's options are tried as ours.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from titan_core.errors import ConfigError
+from titan_core.plan import build_plan, call_plugin, enabled_plugin_names, plugin_manager
+from titan_core.planning.costs import estimate
+from titan_core.planning.estimate import GIB
+from titan_core.planning.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: tuple[str, ...]  # what the plan sets, as command-line overrides
+    tokens_per_device: float
+    memory_gib: float
+
+
+def candidate_overrides(choice: dict[str, dict | None]) -> tuple[str, ...]:
+    """``+plugins=[...]`` and the options of a choice ``{plugin: options, or None when left out}``."""
+    kept = [name for name, options in choice.items() if options is not None]
+    return (f"+plugins=[{','.join(kept)}]",
+            *(f"plugins.{name}.{key}={_value(value)}" for name in kept for key, value in choice[name].items()))
+
+
+def _value(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def recommend(config, hardware: Hardware, vocab_size: int, top: int = 5) -> tuple[list[Candidate], int]:
+    """The ``top`` fitting plans by predicted tokens/s/device, and how many combinations were tried."""
+    world = config.launch.world_size
+    if not world:
+        raise ConfigError("launch.world_size", "--recommend plans for a cluster and needs its size",
+                          "set launch.world_size=<devices in the cluster>")
+    names = enabled_plugin_names(config)
+    if not names:
+        raise ConfigError("plugins", "--recommend chooses among the plugins the command line enables, and it "
+                          "enables none", "list the candidates, e.g. +plugins=[fsdp,tp,pp,ac,compile,float8]")
+    pm = plugin_manager(config)
+    model = pm.hook.describe_model(model_config=config.model, vocab_size=vocab_size, seq_len=config.training.seq_len)
+    alternatives = {name: call_plugin(pm, "plan_options", name, config=config, plugin_config=config.plugins[name],
+                                      model=model, world_size=world, hardware=hardware) or [{}] for name in names}
+    combinations = [dict(zip(alternatives, values)) for values in itertools.product(*alternatives.values())]
+    traced = {}  # the model's facts, measured once for every candidate
+    estimated = (_estimated(config, choice, pm, hardware, vocab_size, traced) for choice in combinations)
+    fitting = [c for c in estimated if c is not None and c.memory_gib <= hardware.usable_gib]
+    return sorted(fitting, key=lambda c: -c.tokens_per_device)[:top], len(combinations)
+
+
+def _estimated(config, choice: dict, pm, hardware: Hardware, vocab_size: int, traced: dict) -> Candidate | None:
+    from titan_core.run import check_job
+
+    values = OmegaConf.to_container(config)
+    values["plugins"] = {name: {**values["plugins"][name], **options} for name, options in choice.items()
+                         if options is not None}
+    job = OmegaConf.create(values)
+    try:
+        plan = build_plan(job, pm, None, vocab_size)
+        check_job(job, plan)
+        result = estimate(job, plan, pm, hardware, traced=traced)
+    except ConfigError as error:
+        if error.field == "model.name":  # the model itself cannot be planned: no candidate can
+            raise
+        return None  # a plan some plugin or the core refuses is not a candidate
+    rank = result.most_loaded()
+    return Candidate(candidate_overrides(choice), rank.tokens_per_device(), sum(rank.memory().values()) / GIB)
