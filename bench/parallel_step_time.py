@@ -4,7 +4,8 @@
 
 Every combination trains the same model on the same global batches; the table gives the median
 ``step_time_s`` of ``metrics.jsonl`` after the warm-up steps and its ratio to the single-process run
-(> 1: slower than one process). Extra arguments are Hydra overrides for every run (e.g. ``model=tiny``).
+(> 1: slower than one process), beside the ratio the planner predicts (``python -m titan_core.plan
+--hardware cpu-measured``). Extra arguments are Hydra overrides for every run (e.g. ``model=tiny``).
 On a shared machine run it alone (``flock /tmp/titan-cpu.lock python bench/parallel_step_time.py``):
 the figures are wall-clock times, and several processes share the machine's cores.
 """
@@ -16,6 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from titan_core.planning.cli import job_estimate
+from titan_core.planning.hardware import cpu_measured
 from titan_core.testing import run_job
 
 COMBINATIONS = {
@@ -46,9 +49,14 @@ def main() -> None:
     times = {name: median_step_time([*combination, *overrides], out / str(i))
              for i, (name, combination) in enumerate(COMBINATIONS.items())}
     single = times["1 process"]
-    print(f"{'combination':<28} {'median s/step':>14} {'vs 1 process':>13}   ({out})")
+    # The planner's prediction of the same ratios, on this CPU as one worker measures it.
+    cpu = cpu_measured()
+    predicted = {name: job_estimate([*DEFAULTS, *combination, *overrides, "launch.device=cpu"], cpu)[1]
+                 .most_loaded().step_seconds()["step"] for name, combination in COMBINATIONS.items()}
+    print(f"{'combination':<28} {'median s/step':>14} {'vs 1 process':>13} {'planner':>9}   ({out})")
     for name, seconds in times.items():
-        print(f"{name:<28} {seconds:>14.4f} {seconds / single:>12.2f}x")
+        planned = predicted[name] / predicted["1 process"]
+        print(f"{name:<28} {seconds:>14.4f} {seconds / single:>12.2f}x {planned:>8.2f}x")
 
 
 if __name__ == "__main__":

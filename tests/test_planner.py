@@ -282,3 +282,28 @@ def test_recommend_says_when_nothing_fits():
         recommendations(["--hardware", "a100", "--recommend", "model=8B", "training.seq_len=8192",
                          "training.global_batch_size=8", "launch.world_size=1", "+plugins=[fsdp]"])
     assert error.value.field == "launch.world_size" and "none of the 1 plans" in str(error.value)
+
+
+def test_the_dry_run_prints_the_estimate_for_this_machine(tmp_path):
+    from titan_core.testing import TINY, run_job
+
+    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[fsdp]", "plugins.fsdp.degree=2"], tmp_path / "run")
+    estimate_lines = result.stdout.split("titan-core estimate: ")[1].splitlines()
+    assert estimate_lines[0].startswith("llama3, world 2 (dp_shard 2), cpu-measured")
+    assert any("fsdp: gathered blocks and a reduce-scatter" in line for line in estimate_lines)
+    assert any(line.strip().startswith("throughput:") and "tokens/s/device" in line for line in estimate_lines)
+
+
+def test_this_cpu_is_measured_and_workers_beyond_its_cores_share_them():
+    import dataclasses
+    import os
+
+    cpu = hardware_profile("cpu-measured")
+    assert (cpu.device_type, cpu.cores) == ("cpu", os.cpu_count()) and cpu.bf16_tflops > 0 and cpu.memory_gbps > 0
+    *_, four = _estimate("+plugins=[fsdp]", "plugins.fsdp.degree=4", "launch.world_size=4")
+    for cores, sharing in ((4, 1), (2, 2), (1, 4)):
+        shared = dataclasses.replace(four, hardware=dataclasses.replace(CPU, cores=cores))
+        assert shared.step_seconds()["matmul"] == pytest.approx(four.step_seconds()["matmul"] * sharing)
+    *_, one = _estimate()
+    threaded = dataclasses.replace(one, hardware=dataclasses.replace(CPU, cores=2))
+    assert threaded.step_seconds()["matmul"] == pytest.approx(one.step_seconds()["matmul"] / 2)

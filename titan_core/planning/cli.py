@@ -49,9 +49,9 @@ def composed(overrides: list[str]):
     return config
 
 
-def job_estimate(argv: list[str]):
+def job_estimate(argv: list[str], hardware=None):
     """The plan and the :class:`~titan_core.planning.estimate.Estimate` of a command line (``--hardware`` and
-    the overrides of a run); raises ConfigError on bad input."""
+    the overrides of a run), or of its overrides on ``hardware`` when given; raises ConfigError on bad input."""
     from titan_core.data import load_tokenizer
     from titan_core.plan import build_plan, plugin_manager
     from titan_core.planning.costs import estimate
@@ -59,7 +59,7 @@ def job_estimate(argv: list[str]):
     from titan_core.run import check_job
 
     hardware_name, _, overrides = split_flags(argv)
-    hardware = hardware_profile(hardware_name)
+    hardware = hardware or hardware_profile(hardware_name)
     config = composed(overrides)
     vocab_size = load_tokenizer(config.tokenizer).vocab_size
     pm = plugin_manager(config)

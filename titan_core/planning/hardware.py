@@ -46,6 +46,7 @@ class Hardware:
     devices_per_node: int = 8
     achievable: float = ACHIEVABLE
     device_type: str = "cuda"  # what torch calls it: the dtypes plugins choose follow it (bf16 on GPUs)
+    cores: int | None = None  # CPU profiles: the cores a node's workers (one thread each) share
 
     @property
     def usable_gib(self) -> float:
@@ -102,17 +103,24 @@ def hardware_profile(name: str) -> Hardware:
 
 
 def cpu_measured() -> Hardware:
-    """This machine: a float32 matmul's speed and a loopback socket's bandwidth (what gloo moves over between
-    local workers), measured now; all its workers on one node."""
+    """This machine, measured now as one worker sees it (one thread): a float32 matmul's speed, a memory
+    copy's and a loopback socket's bandwidth (what gloo moves over between local workers); all its workers on
+    one node, sharing its cores."""
     import torch
 
     from titan_core.metrics import measured_matmul_tflops
 
     link = loopback_gbps()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return Hardware(CPU_MEASURED, "", bf16_tflops=measured_matmul_tflops(), memory_gib=memory,
-                    memory_gbps=_copy_gbps(torch), intra_node_gbps=link, inter_node_gbps=link,
-                    devices_per_node=1 << 20, achievable=1.0, device_type="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tflops, copy_gbps = measured_matmul_tflops(), _copy_gbps(torch)
+    finally:
+        torch.set_num_threads(threads)
+    return Hardware(CPU_MEASURED, "", bf16_tflops=tflops, memory_gib=memory, memory_gbps=copy_gbps,
+                    intra_node_gbps=link, inter_node_gbps=link, devices_per_node=1 << 20, achievable=1.0,
+                    device_type="cpu", cores=os.cpu_count())
 
 
 def _copy_gbps(torch) -> float:
