@@ -224,6 +224,9 @@ def test_a_hardware_file_is_a_profile(tmp_path):
     path.write_text("bf16_tflops: 500\nflops: 3\n")
     with pytest.raises(ConfigError, match="flops"):
         hardware_profile(str(path))
+    path.write_text("bf16_tflops: 500\ndevice_type: cpu\ncores: 0\n")
+    with pytest.raises(ConfigError, match="cores is 0; fix: set cores to a positive number"):
+        hardware_profile(str(path))
 
 
 def test_a_pipeline_rank_holds_the_output_or_the_most_micro_batches():
@@ -294,7 +297,7 @@ def test_the_dry_run_prints_the_estimate_for_this_machine(tmp_path):
     assert any(line.strip().startswith("throughput:") and "tokens/s/device" in line for line in estimate_lines)
 
 
-def test_this_cpu_is_measured_and_workers_beyond_its_cores_share_them():
+def test_this_cpu_is_measured_and_each_worker_runs_on_its_threads_within_its_share_of_the_cores():
     import dataclasses
     import os
 
@@ -307,3 +310,10 @@ def test_this_cpu_is_measured_and_workers_beyond_its_cores_share_them():
     *_, one = _estimate()
     threaded = dataclasses.replace(one, hardware=dataclasses.replace(CPU, cores=2))
     assert threaded.step_seconds()["matmul"] == pytest.approx(one.step_seconds()["matmul"] / 2)
+    *_, two = _estimate("+plugins=[fsdp]", "plugins.fsdp.degree=2", "launch.world_size=2")
+    *_, two_threads_each = _estimate("+plugins=[fsdp]", "plugins.fsdp.degree=2", "launch.world_size=2",
+                                     "launch.cpu_threads_per_worker=2")
+    for cores, speed in ((8, 2), (4, 2), (2, 1)):  # two threads each, as long as the cores go round
+        with_cores = dataclasses.replace(CPU, cores=cores)
+        assert (dataclasses.replace(two_threads_each, hardware=with_cores).step_seconds()["matmul"]
+                == pytest.approx(dataclasses.replace(two, hardware=CPU).step_seconds()["matmul"] / speed))

@@ -365,7 +365,7 @@ def main() -> None:
         # One rank writes Hydra's own files; the others would race on them.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     hydra_main()
-    gc.freeze()  # the interpreter's last collection walks torch's millions of objects: ~1 s at every exit
+    gc.freeze()  # as worker_main does: the exit skips freeing torch's objects one by one
 
 
 OmegaConf.register_new_resolver("titan_run_dir", default_run_dir, replace=True)

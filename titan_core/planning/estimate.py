@@ -225,11 +225,12 @@ class Estimate:
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
         tokens = self.microbatch_tokens * self.microbatches_per_step()
         elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)
-        if hardware.cores:  # a CPU measured with one thread: a lone process threads over every core, while
-            # workers (one thread each, as the launcher sets) compute at their share of the cores
+        if hardware.cores:  # measured on one thread: a worker runs on its threads, at most its share of the cores
             workers = min(self.plan.world_size, hardware.devices_per_node)
-            sharing = 1 / hardware.cores if workers == 1 else max(1.0, workers / hardware.cores)
-            matmul, elementwise = matmul * sharing, elementwise * sharing
+            # train.py's rule: a lone process keeps torch's default (every core), workers take the setting
+            threads = hardware.cores if self.plan.world_size == 1 else self.config.launch.cpu_threads_per_worker
+            speed = min(threads, hardware.cores / workers)
+            matmul, elementwise = matmul / speed, elementwise / speed
         compute = matmul + elementwise
         hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
         waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)

@@ -46,7 +46,7 @@ class Hardware:
     devices_per_node: int = 8
     achievable: float = ACHIEVABLE
     device_type: str = "cuda"  # what torch calls it: the dtypes plugins choose follow it (bf16 on GPUs)
-    cores: int | None = None  # CPU profiles: the cores a node's workers (one thread each) share
+    cores: int | None = None  # CPU profiles, measured on one thread: the cores a node's workers share
 
     @property
     def usable_gib(self) -> float:
@@ -93,6 +93,9 @@ def hardware_profile(name: str) -> Hardware:
         fields = dict(OmegaConf.to_container(OmegaConf.load(path)))
         fields.setdefault("name", path.stem)
         fields.setdefault("device_names", "")
+        for key, value in fields.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+                raise ConfigError("--hardware", f"{path}: {key} is {value}", f"set {key} to a positive number")
         try:
             return Hardware(**fields)
         except TypeError as error:
