@@ -1,13 +1,18 @@
 """The planner: the model's facts against published counts and torch's own memory tracker, every plugin's
 contribution (an outsider's too, written from docs/writing-plugins.md alone), the command and its errors."""
 
+import dataclasses
+import importlib.util
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_core.errors import ConfigError
 from titan_core.plan import Hooks, build_plan, plugin_manager
@@ -16,6 +21,10 @@ from titan_core.planning.costs import estimate
 from titan_core.planning.estimate import GIB
 from titan_core.planning.hardware import Hardware, hardware_profile
 from titan_core.testing import compose, install_plugins
+
+spec = importlib.util.spec_from_file_location("tracked_rank", Path(__file__).with_name("tracked_rank.py"))
+tracked_rank = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tracked_rank)
 
 CPU = Hardware("cpu-test", "", bf16_tflops=0.1, memory_gib=16.0, memory_gbps=10.0, intra_node_gbps=1.0,
                inter_node_gbps=1.0, devices_per_node=1024, achievable=1.0, device_type="cpu")
@@ -37,55 +46,11 @@ def _estimate(*overrides):
 
 
 def _tracked_step(config, pm, plan, fake_tensors: bool = False) -> dict:
-    """Peak bytes by torch's memory tracker over one real training step of this plan on its rank 0, in this
-    process: a fake process group stands in for the other ranks (its collectives move nothing but make their
-    results at full size), the plugins and the core's schedule run as in a worker. With ``fake_tensors`` no
-    tensor holds memory (a GPU-sized model on this machine): the tracker counts their sizes all the same."""
-    import contextlib
-
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from titan_core.mesh import ParallelMesh
-    from titan_core.train import build_model_parts, cross_entropy_loss
-
-    torch.manual_seed(0)
+    """Torch's tracker over a step of rank 0 of the plan, in this process: a fake process group stands in for the
+    other ranks (its collectives move nothing but make their results at full size)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        hooks = Hooks(pm, plan, config)
-        mesh = ParallelMesh(plan.mesh_shape, "cpu", plan.borrowed())
-        fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
-        fake.__enter__()
-        parts = build_model_parts(hooks, mesh, config, torch.device("cpu"))
-        schedule = hooks.first("build_schedule", model_parts=parts, mesh=mesh, config=config,
-                               loss_fn=cross_entropy_loss)
-        optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], foreach=True)
-        training = config.training
-        tokens = torch.randint(0, 256, (training.global_batch_size // plan.dp_size, training.seq_len))
-
-        def step(tracker=None):
-            for micro in tokens.chunk(training.grad_accum_steps):
-                micro, labels = micro.clone(), micro.clone()
-                with contextlib.ExitStack() as stack:
-                    for context in hooks.each("batch_context", inputs=micro, labels=labels, model_kwargs={},
-                                              model_parts=parts, mesh=mesh, config=config):
-                        stack.enter_context(context)
-                    schedule.run(micro, labels, {})
-                if tracker is not None:
-                    tracker.reset_mod_stats()  # its per-module records allow one forward each; the peak stays
-            optimizer.step()
-            optimizer.zero_grad()
-
-        step()  # the optimizer's states exist from here on, as in every step but the first
-        tracker = MemTracker()
-        tracker.track_external(*parts, optimizer)
-        with tracker:
-            step(tracker)
-        fake.__exit__(None, None, None)
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-        converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())
-        return {getattr(kind, "name", kind): nbytes for kind, nbytes in peak.items()} | {"float8_linears": converted}
+        return tracked_rank.tracked_step(config, pm, plan, fake_tensors)
     finally:
         dist.destroy_process_group()
 
@@ -121,6 +86,25 @@ def test_predicted_peak_matches_torchs_memory_tracker(overrides):
     # the rest of a block's working set (measured 6% under).
     limit = 0.08 if "plugins.tp.sequence_parallel=false" in overrides else 0.05
     assert abs(sum(predicted.values()) / measured["Total"] - 1) < limit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "GPipe"])
+def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
+    """Pipeline ranks differ (stages, micro-batches in flight, receive buffers) and send each other what a fake
+    process group cannot make up: each rank of a real two-rank gloo world tracks its own step."""
+    overrides = ("launch.device=cpu", "+plugins=[pp]", "plugins.pp.degree=2", f"plugins.pp.schedule={schedule}",
+                 "plugins.pp.microbatches=4")
+    *_, result = _estimate(*overrides)
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            tracked_rank.__file__, str(tmp_path), *SMALL, *overrides], timeout=300,
+                           capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    for rank, fields in enumerate(result.ranks):
+        predicted = dataclasses.replace(result, ranks=[], **fields).memory()
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)
+        assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.05, (rank, predicted, measured)
 
 
 @pytest.mark.slow

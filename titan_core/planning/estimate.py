@@ -56,7 +56,9 @@ class Estimate:
     Activations, per micro-batch of ``microbatch_rows`` rows of ``seq_len`` tokens: ``sequence_split`` (ranks
     a sequence is split over: context parallel), ``activation_split`` / ``outer_split`` (ranks the blocks' /
     the outputs' and loss's activations are split over: tensor and sequence parallel, loss parallel),
-    ``microbatches_in_flight`` (micro-batches whose activations are alive at once: pipeline schedules),
+    ``stream_split`` (ranks the residual stream between blocks is split over besides ``sequence_split``:
+    sequence parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once:
+    pipeline schedules),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps, from what it would keep
     without checkpointing and its input stream: activation checkpointing; a block recomputes in backward what it
     did not keep).
@@ -81,6 +83,7 @@ class Estimate:
     gather_bytes: float | None = None
     microbatch_rows: int = 1
     sequence_split: int = 1
+    stream_split: int = 1
     activation_split: int = 1
     outer_split: int = 1
     microbatches_in_flight: int = 1

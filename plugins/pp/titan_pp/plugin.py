@@ -167,8 +167,8 @@ def _layout(plugin_config, plan) -> Layout:
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """pp: each rank holds its stages' blocks and keeps the activations of the micro-batches its schedule has
-    in flight (1F1B: fewer on later stages; GPipe: all), idles for the schedule's bubble and sends the
-    residual stream to the next stage (and its gradient back) per micro-batch."""
+    in flight (1F1B: fewer on later stages; GPipe: all), idles for the schedule's bubble, sends the residual
+    stream to the next stage (and its gradient back) per micro-batch and keeps a receive buffer per micro-batch."""
     layout = _layout(plugin_config, plan)
     kind = schedule_kind(plugin_config)
     degree, chunks, microbatches = layout.degree, layout.stages_per_rank, layout.microbatches
@@ -190,9 +190,15 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.blocks = estimate.ranks[0]["blocks"]
     rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
     estimate.bubble = (degree - 1) / (rounds + degree - 1)
+    def stream(e) -> float:  # bytes of one micro-batch's residual stream on this rank
+        return e.facts.block_input * e.microbatch_tokens / e.stream_split
+
+    # torch's stages receive into buffers of their own, one per micro-batch, made once and kept: activations
+    # into every stage but the first, gradients into every stage but the last.
+    estimate.add_memory("buffers", lambda e: (2 * chunks - e.holds_inputs - e.holds_outputs) * microbatches * stream(e),
+                        "pipeline receive buffers", "pp")
     estimate.add_collective("residual stream between stages", ("pp",),
-                            lambda e: 2 * chunks * e.facts.block_input * e.microbatch_tokens * e.microbatches_per_step(),
-                            overlapped=False, plugin="pp")
+                            lambda e: 2 * chunks * stream(e) * e.microbatches_per_step(), overlapped=False, plugin="pp")
 
 
 @hookimpl

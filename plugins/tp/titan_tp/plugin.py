@@ -227,6 +227,8 @@ def estimate_costs(estimate, plugin_config, plan):
     whole = (2 * facts.block_input if plugin_config.sequence_parallel
              else max(facts.block_stream_saved, default=0.0))
     estimate.activation_split *= saved / ((saved - whole) / degree + whole) if saved > whole else 1
+    if plugin_config.sequence_parallel:
+        estimate.stream_split *= degree
     if plugin_config.loss_parallel:  # the logits and the loss's tensors of their shape, split by vocabulary
         estimate.outer_split *= facts.outer_saved / (facts.outer_logits / degree + facts.outer_saved - facts.outer_logits)
     estimate.add_collective(

@@ -1,0 +1,104 @@
+"""Peak memory by torch's memory tracker over one real training step of a plan, on one rank.
+
+Imported by tests/test_planner.py, which runs it in its own process under a fake process group (rank 0 of any
+plan; the other ranks' collectives move nothing but make their results at full size). Run by torchrun as a
+script, each rank of a real gloo world tracks its own step and writes ``<out>/rank<r>.json``: the way to track
+plans whose ranks exchange what a fake group cannot make up (a pipeline's stages send each other activations).
+
+    python -m torch.distributed.run --standalone --nproc-per-node=N tests/tracked_rank.py OUT OVERRIDE...
+"""
+
+import contextlib
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from titan_core.mesh import ParallelMesh
+from titan_core.plan import Hooks
+from titan_core.train import build_model_parts, cross_entropy_loss
+
+
+class Tracker(MemTracker):
+    """torch's tracker, letting a whole model part run forward several times in a step (once per micro-batch:
+    accumulation, a pipeline stage), which it refuses as a second iteration: the part's own record starts
+    again, the peak by category stays."""
+
+    def _pre_fw_hook(self, module, inputs):
+        modules = self._mod_tracker
+        if not modules.is_bw and set(modules.parents) - {modules.get_known_fqn(module)} == {"Global"}:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
+
+
+def tracked_step(config, pm, plan, fake_tensors: bool = False) -> dict:
+    """Peak bytes by category over the second training step of this rank (the optimizer's states exist from the
+    first on), the core's schedule and the plugins' transforms run as in a worker, in the process group already
+    initialized. Every tensor the plan's build and first step left alive is counted, not only the model's and
+    the optimizer's (a pipeline stage's receive buffers are made in its first step and kept). With
+    ``fake_tensors`` no tensor holds memory (a GPU-sized model on this machine): the tracker counts their sizes
+    all the same."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    before = _alive_tensors()
+    hooks = Hooks(pm, plan, config)
+    mesh = ParallelMesh(plan.mesh_shape, "cpu", plan.borrowed())
+    fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
+    with fake:
+        parts = build_model_parts(hooks, mesh, config, torch.device("cpu"))
+        schedule = hooks.first("build_schedule", model_parts=parts, mesh=mesh, config=config,
+                               loss_fn=cross_entropy_loss)
+        optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], foreach=True)
+        training = config.training
+        tokens = torch.randint(0, 256, (training.global_batch_size // plan.dp_size, training.seq_len))
+
+        def step():
+            for micro in tokens.chunk(training.grad_accum_steps):
+                micro, labels = micro.clone(), micro.clone()
+                with contextlib.ExitStack() as stack:
+                    for context in hooks.each("batch_context", inputs=micro, labels=labels, model_kwargs={},
+                                              model_parts=parts, mesh=mesh, config=config):
+                        stack.enter_context(context)
+                    schedule.run(micro, labels, {})
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        tracker = Tracker()
+        kept = [t for i, t in _alive_tensors().items() if i not in before]
+        tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
+        with tracker:
+            step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())
+    return {getattr(kind, "name", kind): nbytes for kind, nbytes in peak.items()} | {"float8_linears": converted}
+
+
+def _alive_tensors() -> dict[int, torch.Tensor]:
+    gc.collect()
+    return {id(o): o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)}
+
+
+def main(out: Path, overrides: list[str]) -> None:
+    from titan_core.plan import build_plan, plugin_manager
+    from titan_core.testing import compose
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        config = compose(*overrides)
+        pm = plugin_manager(config)
+        plan = build_plan(config, pm, dist.get_world_size(), 256)
+        measured = tracked_step(config, pm, plan)
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(measured))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
