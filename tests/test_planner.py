@@ -9,13 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_core.errors import ConfigError
-from titan_core.plan import Hooks, build_plan, plugin_manager
+from titan_core.plan import build_plan, plugin_manager
 from titan_core.planning.cli import job_estimate
 from titan_core.planning.costs import estimate
 from titan_core.planning.estimate import GIB

@@ -190,6 +190,7 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.blocks = estimate.ranks[0]["blocks"]
     rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
     estimate.bubble = (degree - 1) / (rounds + degree - 1)
+
     def stream(e) -> float:  # bytes of one micro-batch's residual stream on this rank
         return e.facts.block_input * e.microbatch_tokens / e.stream_split
 
