@@ -98,8 +98,8 @@ def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
                             tracked_rank.__file__, str(tmp_path), *SMALL, *overrides], timeout=300,
                            capture_output=True, text=True)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
-    for rank, fields in enumerate(result.ranks):
-        predicted = dataclasses.replace(result, ranks=[], **fields).memory()
+    for rank, estimated in enumerate(result.each_rank()):
+        predicted = estimated.memory()
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)
         assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.05, (rank, predicted, measured)
@@ -217,9 +217,7 @@ def test_a_pipeline_rank_holds_the_output_or_the_most_micro_batches():
     assert first == {"blocks": 2, "holds_inputs": True, "holds_outputs": False, "microbatches_in_flight": 2}
     assert last == {"blocks": 2, "holds_inputs": False, "holds_outputs": True, "microbatches_in_flight": 1}
     heaviest = result.most_loaded()
-    assert sum(heaviest.memory().values()) == max(
-        sum(type(result).most_loaded(r).memory().values()) for r in
-        [__import__("dataclasses").replace(result, ranks=[], **f) for f in result.ranks])
+    assert sum(heaviest.memory().values()) == max(sum(rank.memory().values()) for rank in result.each_rank())
     assert sum(heaviest.memory().values()) / GIB < 1
 
 
@@ -280,7 +278,6 @@ def test_the_dry_run_prints_the_estimate_for_this_machine(tmp_path):
 
 
 def test_this_cpu_is_measured_and_each_worker_runs_on_its_threads_within_its_share_of_the_cores():
-    import dataclasses
     import os
 
     cpu = hardware_profile("cpu-measured")

@@ -88,6 +88,12 @@ def device_kind(configured: str | None) -> str:
     return configured or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpu_threads(launch, world_size: int) -> int | None:
+    """The threads a rank computes with on the CPU: ``launch.cpu_threads_per_worker`` when several workers share
+    the cores, None when one process has them all (torch's default, every core)."""
+    return launch.cpu_threads_per_worker if world_size > 1 else None
+
+
 def device_for_rank(local_rank: int, configured: str | None) -> torch.device:
     """This local rank's own GPU, or the CPU."""
     if device_kind(configured) == "cpu":

@@ -26,7 +26,7 @@ from titan_core.attention import document_ids
 from titan_core.data import Prefetcher, shared_tokenizer, validation_batches
 from titan_core.errors import ConfigError
 from titan_core import objective
-from titan_core.mesh import ParallelMesh, device_for_rank, set_collective_timeout
+from titan_core.mesh import ParallelMesh, cpu_threads, device_for_rank, set_collective_timeout
 from titan_core.metrics import MetricsLogger, global_means
 from titan_core.init import init_weights
 from titan_core.plan import Hooks, build_plan, plugin_manager
@@ -58,8 +58,8 @@ def train(config, run_dir: Path) -> None:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), config.launch.device)
     _configure_logging(run_dir, rank)
-    if device.type == "cpu" and world_size > 1:
-        torch.set_num_threads(config.launch.cpu_threads_per_worker)
+    if device.type == "cpu" and (threads := cpu_threads(config.launch, world_size)):
+        torch.set_num_threads(threads)
     backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, store=_rendezvous_store(rank, world_size), rank=rank, world_size=world_size,
                             device_id=device if device.type == "cuda" else None,

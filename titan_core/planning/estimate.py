@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from titan_core.mesh import cpu_threads
 from titan_core.planning.facts import ModelFacts
 from titan_core.planning.hardware import Hardware
 
@@ -129,10 +130,13 @@ class Estimate:
         or a function of the estimate, called when it is summed, as in :meth:`add_memory`)."""
         self.collectives.append(Collective(name, tuple(dims), nbytes, overlapped, plugin))
 
+    def each_rank(self) -> list[Estimate]:
+        """One estimate per kind of rank in ``ranks``, in their order (this estimate when all ranks are alike)."""
+        return [replace(self, ranks=[], **fields) for fields in self.ranks] or [self]
+
     def most_loaded(self) -> Estimate:
-        """The rank of ``ranks`` with the most memory (this estimate when all ranks are alike)."""
-        kinds = [replace(self, ranks=[], **fields) for fields in self.ranks] or [self]
-        return max(kinds, key=lambda rank: sum(rank.memory().values()))
+        """The rank with the most memory."""
+        return max(self.each_rank(), key=lambda rank: sum(rank.memory().values()))
 
     # What the fields add up to --------------------------------------------------------------------------------
 
@@ -230,8 +234,7 @@ class Estimate:
         elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)
         if hardware.cores:  # measured on one thread: a worker runs on its threads, at most its share of the cores
             workers = min(self.plan.world_size, hardware.devices_per_node)
-            # train.py's rule: a lone process keeps torch's default (every core), workers take the setting
-            threads = hardware.cores if self.plan.world_size == 1 else self.config.launch.cpu_threads_per_worker
+            threads = cpu_threads(self.config.launch, self.plan.world_size) or hardware.cores
             speed = min(threads, hardware.cores / workers)
             matmul, elementwise = matmul / speed, elementwise / speed
         compute = matmul + elementwise
