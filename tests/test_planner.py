@@ -86,6 +86,57 @@ def test_predicted_peak_matches_torchs_memory_tracker(overrides):
     assert abs(sum(predicted.values()) / measured["Total"] - 1) < limit
 
 
+@pytest.mark.parametrize("overrides", [
+    ("+plugins=[tp]", "plugins.tp.degree=2"), ("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false"),
+    DISTRIBUTED, ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "training.grad_accum_steps=2"),
+    ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2"),
+    ("+plugins=[fsdp,tp]", "plugins.fsdp.degree=2", "plugins.tp.degree=2"),
+], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "hsdp", "fsdp-tp"])
+def test_collective_calls_are_those_torch_issues(overrides):
+    """Each call pays the link's latency: a plugin's stated calls per step are those its rank 0 issues. (Context
+    parallel's ring exchanges do not reach the dispatcher on a fake process group: cp is not checked here.)"""
+    config, pm, plan, result = _estimate("launch.device=cpu", *overrides)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        issued = tracked_rank.collective_calls(config, pm, plan)
+    finally:
+        dist.destroy_process_group()
+    assert sum(result.collective_calls(c) for c in result.collectives) == issued
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3_tiny", "gpt2_tiny"])
+def test_the_trace_counts_the_operators_a_step_runs(model):
+    """The host issues a step's operators one by one: the trace's count is within 10% of a real step's (which
+    also runs the optimizer's few batched operators)."""
+    config, pm, plan, result = _estimate("launch.device=cpu", f"model={model}")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        issued = tracked_rank.operators(config, pm, plan)
+    finally:
+        dist.destroy_process_group()
+    assert sum(result.facts.block_ops) + result.facts.outer_ops == pytest.approx(issued, rel=0.1)
+    assert len(set(result.facts.block_ops)) == 1  # alike blocks, alike counts
+
+
+def test_each_call_pays_the_latency_and_each_operator_the_host_time():
+    *_, one = _estimate()
+    *_, tp = _estimate("+plugins=[tp]", "plugins.tp.degree=2")
+    later = dataclasses.replace(CPU, collective_latency_us=CPU.collective_latency_us + 100)
+    calls = sum(tp.collective_calls(c) for c in tp.collectives)
+    waited = dataclasses.replace(tp, hardware=later).step_seconds()["exposed communication"]
+    assert waited - tp.step_seconds()["exposed communication"] == pytest.approx(calls * 100e-6)
+    one_core = dataclasses.replace(CPU, cores=1)  # on a CPU the same thread issues the operators and computes
+    one, tp = (dataclasses.replace(e, hardware=one_core) for e in (one, tp))
+    ops = sum(one.facts.block_ops) + one.facts.outer_ops
+    assert one.step_seconds()["host"] == pytest.approx(ops * CPU.op_overhead_us * 1e-6)
+    assert tp.step_seconds()["host"] > 10 * one.step_seconds()["host"]  # DTensor's sharding propagation
+    gpu = dataclasses.replace(one, hardware=dataclasses.replace(CPU, op_overhead_us=1e-3))  # a host ahead
+    assert gpu.step_seconds()["host"] == 0 and gpu.step_seconds()["step"] < one.step_seconds()["step"]
+    optimizer = dataclasses.replace(one, hardware=dataclasses.replace(CPU, memory_gbps=CPU.memory_gbps / 2))
+    assert optimizer.step_seconds()["optimizer"] == pytest.approx(2 * one.step_seconds()["optimizer"])
+    assert 50 < one.optimizer_bytes < 150  # AdamW's batched update: several passes over 16 bytes per parameter
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "GPipe"])
 def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):

@@ -20,6 +20,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from titan_core.mesh import ParallelMesh
 from titan_core.plan import Hooks
+from titan_core.planning.facts import OperatorCounter
 from titan_core.train import build_model_parts, cross_entropy_loss
 
 
@@ -44,30 +45,10 @@ def tracked_step(config, pm, plan, fake_tensors: bool = False) -> dict:
     all the same."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    torch.manual_seed(0)
     before = _alive_tensors()
-    hooks = Hooks(pm, plan, config)
-    mesh = ParallelMesh(plan.mesh_shape, "cpu", plan.borrowed())
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
+    parts, optimizer, step = _training_step(config, pm, plan, fake)
     with fake:
-        parts = build_model_parts(hooks, mesh, config, torch.device("cpu"))
-        schedule = hooks.first("build_schedule", model_parts=parts, mesh=mesh, config=config,
-                               loss_fn=cross_entropy_loss)
-        optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], foreach=True)
-        training = config.training
-        tokens = torch.randint(0, 256, (training.global_batch_size // plan.dp_size, training.seq_len))
-
-        def step():
-            for micro in tokens.chunk(training.grad_accum_steps):
-                micro, labels = micro.clone(), micro.clone()
-                with contextlib.ExitStack() as stack:
-                    for context in hooks.each("batch_context", inputs=micro, labels=labels, model_kwargs={},
-                                              model_parts=parts, mesh=mesh, config=config):
-                        stack.enter_context(context)
-                    schedule.run(micro, labels, {})
-            optimizer.step()
-            optimizer.zero_grad()
-
         step()
         tracker = Tracker()
         kept = [t for i, t in _alive_tensors().items() if i not in before]
@@ -77,6 +58,57 @@ def tracked_step(config, pm, plan, fake_tensors: bool = False) -> dict:
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())
     return {getattr(kind, "name", kind): nbytes for kind, nbytes in peak.items()} | {"float8_linears": converted}
+
+
+def _collective(operator) -> bool:  # waits and autograd's wrappers are not calls
+    return (operator.namespace in ("c10d", "_c10d_functional")
+            and operator.__name__.split(".")[0] not in ("wait_tensor", "_wrap_tensor_autograd"))
+
+
+def collective_calls(config, pm, plan) -> int:
+    """Collectives this rank issues in its second training step."""
+    return _counted(OperatorCounter(_collective), config, pm, plan)
+
+
+def operators(config, pm, plan) -> int:
+    """Aten operators this rank runs in its second training step."""
+    return _counted(OperatorCounter(), config, pm, plan)
+
+
+def _counted(counting, config, pm, plan) -> int:
+    _, _, step = _training_step(config, pm, plan)
+    step()
+    with counting:
+        step()
+    return counting.calls
+
+
+def _training_step(config, pm, plan, tensors=contextlib.nullcontext()):
+    """This rank's model parts and optimizer, built as a worker builds them (their tensors made in the
+    ``tensors`` mode), and a function running one step."""
+    torch.manual_seed(0)
+    hooks = Hooks(pm, plan, config)
+    mesh = ParallelMesh(plan.mesh_shape, "cpu", plan.borrowed())
+    training = config.training
+    with tensors:
+        parts = build_model_parts(hooks, mesh, config, torch.device("cpu"))
+        schedule = hooks.first("build_schedule", model_parts=parts, mesh=mesh, config=config,
+                               loss_fn=cross_entropy_loss)
+        optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], foreach=True)
+        tokens = torch.randint(0, 256, (training.global_batch_size // plan.dp_size, training.seq_len))
+
+    def step():
+        for micro in tokens.chunk(training.grad_accum_steps):
+            micro, labels = micro.clone(), micro.clone()
+            with contextlib.ExitStack() as stack:
+                for context in hooks.each("batch_context", inputs=micro, labels=labels, model_kwargs={},
+                                          model_parts=parts, mesh=mesh, config=config):
+                    stack.enter_context(context)
+                schedule.run(micro, labels, {})
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return parts, optimizer, step
 
 
 def _alive_tensors() -> dict[int, torch.Tensor]:

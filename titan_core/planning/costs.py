@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from titan_core.errors import ConfigError
 from titan_core.plan import Hooks, Plan
 from titan_core.planning.estimate import CATEGORIES, GIB, Estimate, evaluated
-from titan_core.planning.facts import model_facts
+from titan_core.planning.facts import model_facts, optimizer_traffic
 from titan_core.planning.hardware import Hardware
 
 
 def estimate(config, plan: Plan, pm, hardware: Hardware, traced: dict | None = None) -> Estimate:
     """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
-    ``traced`` keeps the model's facts by dtype between estimates of the same model and sequence length."""
+    ``traced`` keeps the model's facts by dtype (and the optimizer's traffic) between estimates of the same model
+    and sequence length."""
     traced = {} if traced is None else traced
 
     def facts_in(dtype: torch.dtype):
@@ -27,6 +30,9 @@ def estimate(config, plan: Plan, pm, hardware: Hardware, traced: dict | None = N
                       blocks=list(range(plan.model.n_layers)),
                       microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps)
     hooks = Hooks(pm, plan, config)
+    if "optimizer" not in traced:
+        traced["optimizer"] = optimizer_traffic(functools.partial(hooks.first, "build_optimizer"), config)
+    result.optimizer_bytes = traced["optimizer"]
     for name in (p.name for p in plan.plugins):
         if any(impl.plugin_name == name for impl in pm.hook.estimate_costs.get_hookimpls()):
             hooks.call(name, "estimate_costs", estimate=result, config=config)

@@ -26,7 +26,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 @dataclass(frozen=True)
 class Collective:
-    """A collective one rank takes part in: ``bytes`` it sends per optimizer step over the ranks of ``dims``.
+    """A collective one rank takes part in: ``bytes`` it sends per optimizer step over the ranks of ``dims``, in
+    ``calls`` calls (each paying the link's latency; None: one per micro-batch).
 
     ``overlapped``: it runs behind computation (prefetched all-gathers, the ring's exchanges), so only the
     part longer than the computation shows in the step time; otherwise the step waits for it.
@@ -37,6 +38,7 @@ class Collective:
     bytes: float
     overlapped: bool
     plugin: str
+    calls: float | Callable | None = None
 
 
 def evaluated(amount, estimate: Estimate) -> float:
@@ -67,7 +69,9 @@ class Estimate:
     Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
     ``matmul_speedup`` (float8), ``elementwise_passes`` (times each activation crosses device memory in a
     step: casts and recomputation add to it), ``fusion`` (the share of that traffic left once a compiler fuses
-    the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules).
+    the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules),
+    ``dispatch_cost`` (the host's time per operator relative to eager PyTorch's: DTensor's sharding propagation
+    multiplies it). The core sets ``optimizer_bytes`` (bytes per parameter element its optimizer step moves).
     """
 
     config: object
@@ -94,6 +98,8 @@ class Estimate:
     elementwise_passes: float = 4.0
     fusion: float = 1.0
     bubble: float = 0.0
+    dispatch_cost: float = 1.0
+    optimizer_bytes: float = 0.0
     ranks: list[dict] = field(default_factory=list)
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
     collectives: list[Collective] = field(default_factory=list)
@@ -125,10 +131,12 @@ class Estimate:
             raise ValueError(f"unknown moment '{when}': use None (throughout), 'start' or 'blocks'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
-    def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str) -> None:
-        """A collective this plugin runs: ``nbytes`` sent by one rank per optimizer step over ``dims`` (a number,
-        or a function of the estimate, called when it is summed, as in :meth:`add_memory`)."""
-        self.collectives.append(Collective(name, tuple(dims), nbytes, overlapped, plugin))
+    def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,
+                       calls=None) -> None:
+        """A collective this plugin runs: ``nbytes`` sent by one rank per optimizer step over ``dims`` in
+        ``calls`` calls per step (None: one per micro-batch); each a number, or a function of the estimate,
+        called when it is summed, as in :meth:`add_memory`."""
+        self.collectives.append(Collective(name, tuple(dims), nbytes, overlapped, plugin, calls))
 
     def each_rank(self) -> list[Estimate]:
         """One estimate per kind of rank in ``ranks``, in their order (this estimate when all ranks are alike)."""
@@ -219,8 +227,18 @@ class Estimate:
         span = math.prod(self.plan.mesh_shape.get(d, 1) for d in order[outermost:])
         return self.hardware.intra_node_gbps if span <= self.hardware.devices_per_node else self.hardware.inter_node_gbps
 
+    def collective_calls(self, collective: Collective) -> float:
+        return self.microbatches_per_step() if collective.calls is None else evaluated(collective.calls, self)
+
     def collective_seconds(self, collective: Collective) -> float:
-        return evaluated(collective.bytes, self) / (self.link_gbps(collective.dims) * 1e9)
+        return (evaluated(collective.bytes, self) / (self.link_gbps(collective.dims) * 1e9)
+                + self.collective_calls(collective) * self.hardware.collective_latency_us * 1e-6)
+
+    def host_seconds(self) -> float:
+        """The host's time to issue the step's operators one by one (forward and backward per micro-batch)."""
+        facts = self.facts
+        ops = sum(facts.block_ops[i] for i in self.blocks) + facts.outer_ops * (self.holds_inputs or self.holds_outputs)
+        return ops * self.microbatches_per_step() * self.hardware.op_overhead_us * 1e-6 * self.dispatch_cost
 
     def step_seconds(self) -> dict[str, float]:
         """Seconds of one optimizer step on one rank, by part, and the total."""
@@ -232,18 +250,28 @@ class Estimate:
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
         tokens = self.microbatch_tokens * self.microbatches_per_step()
         elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)
+        optimizer = (self.optimizer_bytes * self.held_params() / (self.weight_split * self.state_shards)
+                     / (hardware.memory_gbps * 1e9))
+        host = self.host_seconds()
+        hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
+        waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)
         if hardware.cores:  # measured on one thread: a worker runs on its threads, at most its share of the cores
             workers = min(self.plan.world_size, hardware.devices_per_node)
             threads = cpu_threads(self.config.launch, self.plan.world_size) or hardware.cores
             speed = min(threads, hardware.cores / workers)
-            matmul, elementwise = matmul / speed, elementwise / speed
-        compute = matmul + elementwise
-        hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
-        waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)
+            matmul, elementwise, optimizer = matmul / speed, elementwise / speed, optimizer / speed
+            host /= min(1.0, speed)  # one thread issues the operators
+            compute = matmul + elementwise + optimizer + host  # the same threads issue and compute
+            # Collectives run on the cores that compute (no copy engine, no separate stream): nothing hides;
+            # a call waits for every worker, each running its share of the time.
+            hidden, waited = 0.0, (hidden + waited) / min(1.0, speed)
+        else:  # the host issues operators ahead of the device, which waits only for a slower host
+            compute = max(matmul + elementwise + optimizer, host)
         busy = max(compute, hidden) + waited
         total = busy / (1 - self.bubble)
-        return {"matmul": matmul, "elementwise": elementwise, "exposed communication": busy - compute,
-                "pipeline bubble": total - busy, "step": total}
+        return {"matmul": matmul, "elementwise": elementwise, "optimizer": optimizer,
+                "host": host if hardware.cores else max(0.0, compute - matmul - elementwise - optimizer),
+                "exposed communication": busy - compute, "pipeline bubble": total - busy, "step": total}
 
     def tokens_per_device(self) -> float:
         """Predicted training tokens per second per device (TPS/GPU)."""

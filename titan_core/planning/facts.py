@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_core.description import ModelDescription
@@ -41,7 +42,9 @@ class ModelFacts:
     ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
     ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
-    ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients).
+    ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients);
+    ``block_ops[i]``: aten operators block ``i``'s forward and backward run, ``outer_ops``: those of the rest
+    and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's.
     """
 
     block_params: tuple[int, ...]
@@ -58,6 +61,9 @@ class ModelFacts:
     buffer_bytes: int
     block_backward: tuple[float, ...]
     loss_backward: float
+    block_ops: tuple[int, ...]
+    outer_ops: int
+    parameter_tensors: int
 
     @property
     def params(self) -> int:
@@ -82,6 +88,8 @@ class _Tracer(TorchDispatchMode):
         super().__init__()
         self.positions, self.learned = positions, learned
         self.block: int | None = None  # the block running, None outside the blocks
+        self.counting: int | None = None  # the block whose forward or backward runs, None outside the blocks
+        self.ops = [0] * (n_blocks + 1)  # per block, and last the operators outside the blocks
         self.kept_alive: list[torch.Tensor] = []  # so that no other storage reuses a recorded one's address
         self.saved: dict[int, tuple[int | None, int, tuple[int, ...]]] = {}  # storage -> block, bytes, shape
         self.made = [{} for _ in range(n_blocks)]
@@ -106,15 +114,16 @@ class _Tracer(TorchDispatchMode):
             made[name] = made.get(name, 0.0) + sum(map(_nbytes, results)) / self.positions
 
     def enter(self, index: int, module, args) -> None:
-        self.block = index
+        self.block = self.counting = index
         self.block_input = _nbytes(args[0]) / self.positions
         self.stream_shape = tuple(args[0].shape)
 
     def leave(self, module, args, output) -> None:
-        self.block = None
+        self.block = self.counting = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.ops[-1 if self.counting is None else self.counting] += 1
         results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
         self.record(func.overloadpacket.__name__, *results)
         for result in results:
@@ -136,6 +145,7 @@ class _Tracer(TorchDispatchMode):
 
     def mark(self, what: str, index: int, *_) -> None:
         self.timeline.append((what, index, 0))
+        self.counting = index if what == "start" else None
 
     def backward_peaks(self, gradients: set[int], n_blocks: int) -> tuple[list[float], float]:
         """Per block, the most its backward held at once beyond what it started with, and the same for what
@@ -252,4 +262,54 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       other_params=total - sum(block_params) - counts["inputs"] - counts["outputs"],
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input, outer_saved=outer, outer_logits=outer_logits,
                       block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
-                      buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward)
+                      buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
+                      block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
+                      parameter_tensors=len(list(model.parameters())))
+
+
+class OperatorCounter(TorchDispatchMode):
+    """Counts the aten operators run below it that ``counted(operator)`` accepts (all by default); a DTensor's
+    operators reach it as their local ones and its collectives."""
+
+    def __init__(self, counted=lambda operator: True):
+        super().__init__()
+        self.counted, self.calls = counted, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += bool(self.counted(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes the operators below it read (every tensor argument) and write (their results and the arguments
+    they modify in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        written = {argument.name for argument in func._schema.arguments
+                   if argument.alias_info is not None and argument.alias_info.is_write}
+        named = dict(zip((argument.name for argument in func._schema.arguments), args)) | (kwargs or {})
+        for name, value in named.items():
+            for tensor in pytree.tree_leaves(value):
+                if isinstance(tensor, torch.Tensor):
+                    self.bytes += _nbytes(tensor) * (2 if name in written else 1)
+        self.bytes += sum(_nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def optimizer_traffic(build_optimizer, config, elements: int = 1 << 14) -> float:
+    """Bytes per parameter element that one step of the job's optimizer (``build_optimizer``: the core's hook,
+    as a worker calls it) moves through memory: its operators' reads and writes, on a float32 parameter."""
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(torch.zeros(elements))
+    optimizer = build_optimizer(model_parts=[holder], config=config)
+    holder.weight.grad = torch.zeros(elements)
+    optimizer.step()  # the states are made in the first step
+    traffic = _Traffic()
+    with traffic:
+        optimizer.step()
+    return traffic.bytes / elements

@@ -45,6 +45,10 @@ class Hardware:
     inter_node_gbps: float = 50.0  # the network between nodes (400 Gb/s per device)
     devices_per_node: int = 8
     achievable: float = ACHIEVABLE
+    # Fixed costs the bandwidths miss: one collective call's latency (NCCL's small-message figure within an
+    # NVLink node), and the host's time to issue one operator eagerly (dispatch and autograd's bookkeeping).
+    collective_latency_us: float = 10.0
+    op_overhead_us: float = 10.0
     device_type: str = "cuda"  # what torch calls it: the dtypes plugins choose follow it (bf16 on GPUs)
     cores: int | None = None  # CPU profiles, measured on one thread: the cores a node's workers share
 
@@ -107,8 +111,8 @@ def hardware_profile(name: str) -> Hardware:
 
 def cpu_measured() -> Hardware:
     """This machine, measured now as one worker sees it (one thread): a float32 matmul's speed, a memory
-    copy's and a loopback socket's bandwidth (what gloo moves over between local workers); all its workers on
-    one node, sharing its cores."""
+    copy's and a loopback socket's bandwidth (what gloo moves over between local workers), a gloo all-reduce's
+    latency and an eager operator's host time; all its workers on one node, sharing its cores."""
     import torch
 
     from titan_core.metrics import measured_matmul_tflops
@@ -118,11 +122,12 @@ def cpu_measured() -> Hardware:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tflops, copy_gbps = measured_matmul_tflops(), _copy_gbps(torch)
+        tflops, copy_gbps, op_us = measured_matmul_tflops(), _copy_gbps(torch), _op_overhead_us(torch)
     finally:
         torch.set_num_threads(threads)
     return Hardware(CPU_MEASURED, "", bf16_tflops=tflops, memory_gib=memory, memory_gbps=copy_gbps,
                     intra_node_gbps=link, inter_node_gbps=link, devices_per_node=1 << 20, achievable=1.0,
+                    collective_latency_us=_gloo_latency_us(torch), op_overhead_us=op_us,
                     device_type="cpu", cores=os.cpu_count())
 
 
@@ -134,6 +139,48 @@ def _copy_gbps(torch) -> float:
     for _ in range(4):
         target.copy_(source)
     return 4 * 2 * source.numel() / (time.perf_counter() - start) / 1e9
+
+
+def _op_overhead_us(torch, repeats: int = 200) -> float:
+    """Microseconds per operator of a forward and backward on tensors too small for arithmetic to count."""
+    from titan_core.planning.facts import OperatorCounter
+
+    weight, inputs = torch.zeros(4, 4, requires_grad=True), torch.zeros(2, 4)
+
+    def step():
+        torch.nn.functional.linear(inputs, weight).mul(2).relu().sum().backward()
+
+    counter = OperatorCounter()
+    with counter:
+        step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats / counter.calls * 1e6
+
+
+def _gloo_latency_us(torch, rounds: int = 5, repeats: int = 20) -> float:
+    """Microseconds of a small all-reduce between two gloo ranks, run as two threads of this process: the
+    fastest of a few rounds, as the machine's other work slows some."""
+    import torch.distributed as dist
+
+    store, seconds = dist.HashStore(), []
+
+    def rank(index: int) -> None:
+        group, tensor = dist.ProcessGroupGloo(store, index, 2), torch.zeros(16)
+        group.allreduce([tensor]).wait()
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                group.allreduce([tensor]).wait()
+            seconds.append((time.perf_counter() - start) / repeats)
+
+    ranks = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    return min(seconds) * 1e6
 
 
 def loopback_gbps(megabytes: int = 64) -> float:

@@ -157,14 +157,19 @@ def estimate_costs(estimate, plugin_config, plan):
     other ranks' keys and values reach it in forward and again in backward, and their gradients go back."""
     degree = plan.degree("cp")
     estimate.sequence_split *= degree
+    # Per block and micro-batch, forward's keys and values, backward's again and their gradients: each one
+    # all-gather, or a ring of degree - 1 exchanges.
+    exchanges = 1 if plugin_config.rotate_method == "allgather" else degree - 1
     estimate.add_collective(
         f"keys and values around the ring ({plugin_config.rotate_method})", ("cp",),
         lambda e: 3 * len(e.blocks) * e.facts.attention_kv / e.activation_split * e.microbatch_tokens
-        * e.microbatches_per_step() * (degree - 1), overlapped=plugin_config.rotate_method == "alltoall", plugin="cp")
-    if not plan.provides(DATA_PARALLEL_SHARDING):
+        * e.microbatches_per_step() * (degree - 1), overlapped=plugin_config.rotate_method == "alltoall", plugin="cp",
+        calls=lambda e: 3 * len(e.blocks) * e.microbatches_per_step() * exchanges)
+    if not plan.provides(DATA_PARALLEL_SHARDING):  # one all-reduce per parameter and micro-batch
         estimate.add_collective("all-reduce of the gradients", ("cp",),
                                 lambda e: 2 * 4 * e.held_params() / e.weight_split * (degree - 1) / degree,
-                                overlapped=False, plugin="cp")
+                                overlapped=False, plugin="cp",
+                                calls=lambda e: e.facts.parameter_tensors * e.microbatches_per_step())
 
 
 @hookimpl

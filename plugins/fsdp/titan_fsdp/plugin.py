@@ -135,16 +135,23 @@ def estimate_costs(estimate, plugin_config, plan):
 
     micro = 1 if pipelined else estimate.grad_accum  # a pipeline gathers and reduces once per step
     gathers = (2 if resharded else 1) * micro
+    def units(e):  # one call per block, one for the output layer, one for the rest of the model
+        return len(e.blocks) + 2
+
+    def gather_calls(e):  # backward gathers again all but the last block and the output (never resharded)
+        return micro * (units(e) + (units(e) - 2) * resharded)
+
     estimate.add_collective("all-gather of the weights", ("dp_shard", "cp"), lambda e: sent(e, gathers * gathered(e)),
-                            overlapped=True, plugin="fsdp")
+                            overlapped=True, plugin="fsdp", calls=gather_calls)
     estimate.add_collective("reduce-scatter of the gradients", ("dp_shard", "cp"),
                             lambda e: sent(e, micro * e.held_params() / e.weight_split * reduce_bytes),
-                            overlapped=True, plugin="fsdp")
+                            overlapped=True, plugin="fsdp", calls=lambda e: micro * units(e))
     replicas = plan.degree("dp_replicate")
     if replicas > 1:
         estimate.add_collective("all-reduce of the gradient shards", ("dp_replicate",),
                                 lambda e: 2 * micro * e.held_params() / e.weight_split / shards * reduce_bytes
-                                * (replicas - 1) / replicas, overlapped=True, plugin="fsdp")
+                                * (replicas - 1) / replicas, overlapped=True, plugin="fsdp",
+                                calls=lambda e: micro * units(e))
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered and their gradients unreduced until the
         # last micro-batch's backward: whole, for every block of the rank.

@@ -199,7 +199,8 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.add_memory("buffers", lambda e: (2 * chunks - e.holds_inputs - e.holds_outputs) * microbatches * stream(e),
                         "pipeline receive buffers", "pp")
     estimate.add_collective("residual stream between stages", ("pp",),
-                            lambda e: 2 * chunks * stream(e) * e.microbatches_per_step(), overlapped=False, plugin="pp")
+                            lambda e: 2 * chunks * stream(e) * e.microbatches_per_step(), overlapped=False, plugin="pp",
+                            calls=lambda e: 2 * chunks * e.microbatches_per_step())
 
 
 @hookimpl

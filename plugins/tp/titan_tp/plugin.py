@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import COMPILE, PARTIAL_DATA_PARALLEL, TENSOR_PARALLEL
+from titan_core.capabilities import COMPILE, DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL, TENSOR_PARALLEL
 from titan_core.data_parallel import replicate_only_over
 from titan_core.description import TensorParallelLayout, attribute, lacks
 
@@ -212,12 +212,18 @@ def batch_context(plugin_config):
     return loss_parallel() if plugin_config.loss_parallel else None
 
 
+# The host's time for a forward and backward of a tensor-parallel model relative to one process's, by sequence
+# parallel: DTensor's sharding propagation and redistributions per operator (bench/dtensor_dispatch.py, CPU).
+DTENSOR_DISPATCH = {True: 13.6, False: 12.0}
+
+
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """tp: every weight split over the tp ranks, the blocks' activations too (but the linears' gathered
     inputs, and without sequence parallel all that has the stream's shape), the logits under loss parallel; per block and micro-batch,
     two all-gathers and two reduce-scatters of the residual stream (or two all-reduces) in each of forward
-    and backward, which the step waits for (AsyncTP hides them behind the matmuls)."""
+    and backward, which the step waits for (AsyncTP hides them behind the matmuls); DTensor's host time per
+    operator."""
     degree = plan.degree("tp")
     estimate.weight_split *= degree
     # Kept whole on every rank: what has the residual stream's shape without sequence parallel (norms, sums),
@@ -231,10 +237,19 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.stream_split *= degree
     if plugin_config.loss_parallel:  # the logits and the loss's tensors of their shape, split by vocabulary
         estimate.outer_split *= facts.outer_saved / (facts.outer_logits / degree + facts.outer_saved - facts.outer_logits)
+    estimate.dispatch_cost *= DTENSOR_DISPATCH[plugin_config.sequence_parallel]
+    # Calls per forward and backward as torch runs them (counted by tests/test_planner.py): per block, the
+    # stream's gathers and reduce-scatters (or all-reduces) and the all-reduces of replicated weights' gradients;
+    # the embeddings', the output's and the loss's besides. With sequence parallel the norms' gradients, partial
+    # sums over the sequence, are all-reduced once more when data-parallel sharding reduces them too.
+    per_block, outer = (11, 4) if plugin_config.sequence_parallel else (7, 2)
+    if plugin_config.sequence_parallel and plan.provides(DATA_PARALLEL_SHARDING):
+        per_block, outer = per_block + 2, outer + 1
     estimate.add_collective(
         "residual stream gathered and reduced", ("tp",),
         lambda e: 8 * len(e.blocks) * e.facts.block_input * e.microbatch_tokens * e.microbatches_per_step()
-        * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp")
+        * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp",
+        calls=lambda e: (per_block * len(e.blocks) + outer * (e.holds_inputs or e.holds_outputs)) * e.microbatches_per_step())
 
 
 @hookimpl
