@@ -62,9 +62,9 @@ class Estimate:
     ``stream_split`` (ranks the residual stream between blocks is split over besides ``sequence_split``:
     sequence parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once:
     pipeline schedules),
-    ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps, from what it would keep
-    without checkpointing and its input stream: activation checkpointing; a block recomputes in backward what it
-    did not keep).
+    ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
+    there without checkpointing and its input stream there, both already split: activation checkpointing; a
+    block recomputes in backward what it did not keep).
 
     Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
     ``matmul_speedup`` (float8), ``elementwise_passes`` (times each activation crosses device memory in a
@@ -162,12 +162,15 @@ class Estimate:
         """Tokens of one micro-batch on this rank."""
         return self.microbatch_rows * self.seq_len / self.sequence_split
 
+    def kept(self, index: int) -> float:
+        """Bytes per token block ``index`` keeps on this rank until its backward."""
+        facts = self.facts
+        return self.keep(index, facts.block_saved[index] / self.activation_split, facts.block_input / self.stream_split)
+
     def kept_per_token(self) -> float:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""
-        facts = self.facts
-        blocks = sum(self.keep(i, facts.block_saved[i], facts.block_input) for i in self.blocks)
-        outer = facts.outer_saved if self.holds_outputs else 0.0
-        return blocks / self.activation_split + outer / self.outer_split
+        outer = self.facts.outer_saved / self.outer_split if self.holds_outputs else 0.0
+        return sum(self.kept(i) for i in self.blocks) + outer
 
     def gradients_at_peak(self) -> bool:
         """Whether every gradient exists throughout backward: a step of several micro-batches accumulates them."""
@@ -185,8 +188,7 @@ class Estimate:
         shards = self.weight_split * self.state_shards
         state = self.held_params() / shards
         others = (self.microbatches_in_flight - 1) * tokens * self.kept_per_token()
-        kept = [tokens * self.keep(i, facts.block_saved[i], facts.block_input) / self.activation_split
-                for i in self.blocks]
+        kept = [tokens * self.kept(i) for i in self.blocks]
         outer = tokens * facts.outer_saved / self.outer_split if self.holds_outputs else 0.0
         loss_backward = tokens * facts.loss_backward / self.outer_split if self.holds_outputs else 0.0
         all_gradients = 4 * state
@@ -199,9 +201,11 @@ class Estimate:
         phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
         for position in reversed(range(len(self.blocks))):
             i = self.blocks[position]
-            recomputed = facts.block_saved[i] - self.keep(i, facts.block_saved[i], facts.block_input)
-            working = facts.block_input + recomputed + facts.block_backward[i]  # with its output's gradient
-            phases.append((others + sum(kept[:position + 1]) + tokens * working / self.activation_split, made, blocks))
+            recomputed = facts.block_saved[i] / self.activation_split - self.kept(i)
+            # Its output's gradient has the stream's shape and split; what its backward makes, the block's.
+            working = (facts.block_input / self.stream_split + recomputed
+                       + facts.block_backward[i] / self.activation_split)
+            phases.append((others + sum(kept[:position + 1]) + tokens * working, made, blocks))
             made += 4 * facts.block_params[i] / shards
         phases.append((others, all_gradients, blocks))
         if self.gradients_at_peak():

@@ -104,7 +104,8 @@ def estimate_costs(estimate, plugin_config):
     checkpointed = [i for i in estimate.blocks if mode != "selective_layer" or i % every == 0]
     if mode == "selective_op":
         ops = {"attention" if "attention" in op else op for op in plugin_config.save_ops}
-        estimate.keep = lambda index, saved, stream: min(saved, stream + estimate.facts.made_by(index, ops))
+        estimate.keep = lambda index, saved, stream: min(
+            saved, stream + estimate.facts.made_by(index, ops) / estimate.activation_split)
         # The recomputed ops are the elementwise ones: their FLOPs are negligible, their memory traffic is not.
         estimate.elementwise_passes += 1
     else:
