@@ -61,7 +61,8 @@ def report(result: Estimate) -> str:
             else "  (freed by then)" if category == "activations" and not memory[category] else ""))
         for term_category, what, nbytes, plugin, when in result.memory_terms:
             if term_category == category:
-                moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)"}.get(when, "")
+                moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)",
+                          "end": " (after the blocks' backward)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}{moment}")
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len

@@ -120,15 +120,16 @@ class Estimate:
 
     def add_memory(self, category: str, nbytes, what: str, plugin: str, when: str | None = None) -> None:
         """Memory this plugin alone holds (``buffers`` for communication buffers): throughout the step, or only
-        ``when`` it is ``"start"`` (as backward starts) or ``"blocks"`` (while the blocks run backward), the two
-        moments :meth:`memory` weighs for the peak.
+        ``when`` it is ``"start"`` (as backward starts), ``"blocks"`` (while the blocks run backward and after) or
+        ``"end"`` (after the blocks' backward: the embeddings', every gradient made), the moments :meth:`memory`
+        weighs for the peak.
 
         ``nbytes`` may be a function of the estimate, called when it is summed: it then sees the fields as every
         plugin left them (the dtype FSDP computes in, the blocks each pipeline rank holds)."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
-        if when not in (None, "start", "blocks"):
-            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start' or 'blocks'")
+        if when not in (None, "start", "blocks", "end"):
+            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks' or 'end'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
     def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,
@@ -193,10 +194,10 @@ class Estimate:
         loss_backward = tokens * facts.loss_backward / self.outer_split if self.holds_outputs else 0.0
         all_gradients = 4 * state
         made = 4 * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # the blocks' come later
-        start, blocks = ({category: 0.0 for category in CATEGORIES} for _ in range(2))
+        start, blocks, end = ({category: 0.0 for category in CATEGORIES} for _ in range(3))
         memory = {category: 0.0 for category in CATEGORIES}
         for category, _, nbytes, _, when in self.memory_terms:
-            {"start": start, "blocks": blocks, None: memory}[when][category] += evaluated(nbytes, self)
+            {"start": start, "blocks": blocks, "end": end, None: memory}[when][category] += evaluated(nbytes, self)
         # (activations, gradients, this moment's own terms)
         phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
         for position in reversed(range(len(self.blocks))):
@@ -207,7 +208,7 @@ class Estimate:
                        + facts.block_backward[i] / self.activation_split)
             phases.append((others + sum(kept[:position + 1]) + tokens * working, made, blocks))
             made += 4 * facts.block_params[i] / shards
-        phases.append((others, all_gradients, blocks))
+        phases.append((others, all_gradients, {category: blocks[category] + end[category] for category in CATEGORIES}))
         if self.gradients_at_peak():
             phases = [(activations, all_gradients, own) for activations, _, own in phases]
         activations, gradients, own = max(phases, key=lambda phase: phase[0] + phase[1] + sum(phase[2].values()))
