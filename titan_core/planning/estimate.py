@@ -166,7 +166,8 @@ class Estimate:
     def kept(self, index: int) -> float:
         """Bytes per token block ``index`` keeps on this rank until its backward."""
         facts = self.facts
-        return self.keep(index, facts.block_saved[index] / self.activation_split, facts.block_input / self.stream_split)
+        return self.keep(index, facts.block_saved[index] / self.activation_split,
+                         facts.block_input / self.stream_split)
 
     def kept_per_token(self) -> float:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -35,10 +36,10 @@ class ModelFacts:
     description names as run before / after the blocks (embeddings; final norm and output); ``outer_saved``:
     what the inputs, outputs and the loss keep (the logits, in float32 for the loss), of which ``outer_logits``
     have the logits' shape (what loss parallel splits by vocabulary); ``block_input``: the
-    residual stream entering a block, what full checkpointing keeps of it; ``block_stream_saved[i]``: the part of
-    ``block_saved[i]`` shaped like that stream (what tensor parallel leaves whole: it splits heads and hidden
-    units, not the stream); ``block_made[i]``: bytes per token of
-    the results of each aten op of block ``i``, by op name (what selective checkpointing chooses among);
+    residual stream entering a block, what full checkpointing keeps of it; ``block_stream_saved[i]``: the part
+    of ``block_saved[i]`` shaped like that stream, or flattened to rows of its width (what tensor parallel leaves
+    whole: it splits heads and hidden units, not the stream); ``block_made[i]``: bytes per token of the results
+    of each aten op of block ``i``, by op name (what selective checkpointing chooses among);
     ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
     ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
@@ -253,15 +254,17 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
             outer_logits += nbytes / tracer.positions if shape[-1:] == logits.shape[-1:] else 0.0
         else:
             per_block[block] += nbytes / tracer.positions
-            streams[block] += nbytes / tracer.positions if shape == tracer.stream_shape else 0.0
+            # The stream as saved: its shape, or flattened to rows of its width (a linear's input).
+            stream = shape[-1:] == tracer.stream_shape[-1:] and math.prod(shape) == math.prod(tracer.stream_shape)
+            streams[block] += nbytes / tracer.positions if stream else 0.0
     counts = {group: sum(p.numel() for path in paths or () for p in model.get_submodule(path).parameters())
               for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
     block_params = tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
     total = sum(p.numel() for p in model.parameters())
     return ModelFacts(block_params=block_params, inputs_params=counts["inputs"], outputs_params=counts["outputs"],
                       other_params=total - sum(block_params) - counts["inputs"] - counts["outputs"],
-                      block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input, outer_saved=outer, outer_logits=outer_logits,
-                      block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
+                      block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
+                      outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
                       parameter_tensors=len(list(model.parameters())))

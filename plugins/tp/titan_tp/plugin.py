@@ -220,10 +220,10 @@ DTENSOR_DISPATCH = {True: 13.6, False: 12.0}
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """tp: every weight split over the tp ranks, the blocks' activations too (but the linears' gathered
-    inputs, and without sequence parallel all that has the stream's shape), the logits under loss parallel; per block and micro-batch,
-    two all-gathers and two reduce-scatters of the residual stream (or two all-reduces) in each of forward
-    and backward, which the step waits for (AsyncTP hides them behind the matmuls); DTensor's host time per
-    operator."""
+    inputs, and without sequence parallel all that has the stream's shape), the logits under loss parallel; the
+    embedding's whole gradient in its backward; per block and micro-batch, two all-gathers and two
+    reduce-scatters of the residual stream (or two all-reduces) in each of forward and backward, which the step
+    waits for (AsyncTP hides them behind the matmuls); DTensor's host time per operator."""
     degree = plan.degree("tp")
     estimate.weight_split *= degree
     # Kept whole on every rank: what has the residual stream's shape without sequence parallel (norms, sums),
@@ -240,7 +240,8 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.add_memory("gradients", lambda e: e.facts.inputs_params * e.holds_inputs * e.compute_dtype.itemsize,
                         "the embedding's gradient, whole in its backward", "tp", when="end")
     if plugin_config.loss_parallel:  # the logits and the loss's tensors of their shape, split by vocabulary
-        estimate.outer_split *= facts.outer_saved / (facts.outer_logits / degree + facts.outer_saved - facts.outer_logits)
+        logits = facts.outer_logits
+        estimate.outer_split *= facts.outer_saved / (logits / degree + facts.outer_saved - logits)
     estimate.dispatch_cost *= DTENSOR_DISPATCH[plugin_config.sequence_parallel]
     # Calls per forward and backward as torch runs them (counted by tests/test_planner.py): per block, the
     # stream's gathers and reduce-scatters (or all-reduces) and the all-reduces of replicated weights' gradients;
@@ -253,7 +254,8 @@ def estimate_costs(estimate, plugin_config, plan):
         "residual stream gathered and reduced", ("tp",),
         lambda e: 8 * len(e.blocks) * e.facts.block_input * e.microbatch_tokens * e.microbatches_per_step()
         * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp",
-        calls=lambda e: (per_block * len(e.blocks) + outer * (e.holds_inputs or e.holds_outputs)) * e.microbatches_per_step())
+        calls=lambda e: (per_block * len(e.blocks) + outer * (e.holds_inputs or e.holds_outputs))
+        * e.microbatches_per_step())
 
 
 @hookimpl
