@@ -290,6 +290,18 @@ def test_bad_input_is_one_line_naming_the_field(args, field, words):
     assert error.value.field == field and words in str(error.value)
 
 
+def test_an_optimizer_the_planner_cannot_step_is_named_in_one_line():
+    from titan_core.planning.facts import optimizer_traffic
+
+    def refusing(model_parts, config):
+        raise RuntimeError("wants DTensor parameters\nand a long traceback")
+
+    with pytest.raises(ConfigError) as error:
+        optimizer_traffic(refusing, compose(*SMALL))
+    assert error.value.field == "optimizer" and "failed there: wants DTensor parameters" in str(error.value)
+    assert "traceback" not in str(error.value)
+
+
 def test_the_command_exits_2_with_one_line():
     done = _plan_command("--hardware", "tpu9", *SMALL)
     lines = [line for line in done.stderr.splitlines() if line.startswith("titan-core: error: ")]

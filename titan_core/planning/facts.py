@@ -309,10 +309,15 @@ def optimizer_traffic(build_optimizer, config, elements: int = 1 << 14) -> float
     as a worker calls it) moves through memory: its operators' reads and writes, on a float32 parameter."""
     holder = torch.nn.Module()
     holder.weight = torch.nn.Parameter(torch.zeros(elements))
-    optimizer = build_optimizer(model_parts=[holder], config=config)
-    holder.weight.grad = torch.zeros(elements)
-    optimizer.step()  # the states are made in the first step
-    traffic = _Traffic()
-    with traffic:
-        optimizer.step()
+    try:
+        optimizer = build_optimizer(model_parts=[holder], config=config)
+        holder.weight.grad = torch.zeros(elements)
+        optimizer.step()  # the states are made in the first step
+        traffic = _Traffic()
+        with traffic:
+            optimizer.step()
+    except Exception as error:  # an outsider's optimizer: say which, not a traceback
+        raise ConfigError("optimizer", f"the planner prices the optimizer's step on one float32 parameter, and "
+                          f"the job's optimizer failed there: {str(error).splitlines()[0]}",
+                          "let the optimizer plugin's build_optimizer take a module holding one plain parameter") from None
     return traffic.bytes / elements
