@@ -12,7 +12,6 @@ applies to the host time of the operators it counts in one process's trace) is t
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_core.mesh import ParallelMesh
 from titan_core.plan import Hooks, build_plan, plugin_manager
-from titan_core.planning.facts import OperatorCounter
+from titan_core.planning.facts import timed_step
 from titan_core.testing import compose
 from titan_core.train import build_model_parts
 
@@ -44,17 +43,9 @@ def step_seconds(overrides: list[str]) -> tuple[float, int]:
                                      torch.device("cpu"))
         tokens = torch.zeros(1, config.training.seq_len, dtype=torch.long)
 
-        def step():
-            model(tokens).float().sum().backward()
-
-        step()
-        counter = OperatorCounter()
-        with counter:
-            step()
-        start = time.perf_counter()
-        for _ in range(REPEATS):
-            step()
-        return (time.perf_counter() - start) / REPEATS, counter.calls
+        step = lambda: model(tokens).float().sum().backward()  # noqa: E731
+        step()  # DTensor fills its sharding caches
+        return timed_step(step, REPEATS)
     finally:
         dist.destroy_process_group()
 

@@ -244,8 +244,11 @@ from titan_core import hookimpl
 
 @hookimpl
 def estimate_costs(estimate, plugin_config):
-    """splitstream: the residual stream between blocks split over `ways` ranks, gathered once per block."""
+    """splitstream: the residual stream between blocks split over `ways` ranks, gathered once per block; its
+    gathered copy of the embeddings' output held after the blocks' backward."""
     estimate.stream_split *= plugin_config.ways
+    estimate.add_memory("buffers", lambda e: e.facts.block_input * e.microbatch_tokens, "gathered stream",
+                        "splitstream", when="end")
     estimate.add_collective("stream gathered", ("pp",), lambda e: len(e.blocks) * e.facts.block_input
                             * e.microbatch_tokens * e.microbatches_per_step(), overlapped=False, plugin="splitstream",
                             calls=lambda e: len(e.blocks) * e.microbatches_per_step())
@@ -267,6 +270,7 @@ def test_a_field_an_outsider_sets_is_read_by_the_plugins_it_concerns(tmp_path):
     split, split_unit, printed = receive_buffers("pp", "splitstream")
     assert split_unit == unit and split == pytest.approx(alone / 2, rel=0.01)
     assert "collective splitstream: stream gathered over pp" in printed
+    assert "splitstream: gathered stream" in printed and "(after the blocks' backward)" in printed
 
 
 def test_a_plugin_without_the_hook_is_reported_not_counted():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -281,6 +282,18 @@ class OperatorCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += bool(self.counted(func))
         return func(*args, **(kwargs or {}))
+
+
+def timed_step(step, repeats: int) -> tuple[float, int]:
+    """Seconds of one call of ``step`` (after a first, untimed one that also counts them) and the aten operators
+    it runs: the host's cost of a forward and backward where arithmetic is negligible."""
+    counter = OperatorCounter()
+    with counter:
+        step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats, counter.calls
 
 
 class _Traffic(TorchDispatchMode):

@@ -143,20 +143,12 @@ def _copy_gbps(torch) -> float:
 
 def _op_overhead_us(torch, repeats: int = 200) -> float:
     """Microseconds per operator of a forward and backward on tensors too small for arithmetic to count."""
-    from titan_core.planning.facts import OperatorCounter
+    from titan_core.planning.facts import timed_step
 
     weight, inputs = torch.zeros(4, 4, requires_grad=True), torch.zeros(2, 4)
-
-    def step():
-        torch.nn.functional.linear(inputs, weight).mul(2).relu().sum().backward()
-
-    counter = OperatorCounter()
-    with counter:
-        step()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        step()
-    return (time.perf_counter() - start) / repeats / counter.calls * 1e6
+    seconds, operators = timed_step(
+        lambda: torch.nn.functional.linear(inputs, weight).mul(2).relu().sum().backward(), repeats)
+    return seconds / operators * 1e6
 
 
 def _gloo_latency_us(torch, rounds: int = 5, repeats: int = 20) -> float:
