@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_core.mesh import ParallelMesh
-from titan_core.plan import Hooks, build_plan, plugin_manager
-from titan_core.planning.facts import timed_step
+from titan_core.plugins import Hooks, Registry, build_plan
+from titan_core.planner.facts import timed_step
 from titan_core.testing import compose
 from titan_core.train import build_model_parts
 
@@ -34,11 +34,11 @@ REPEATS = 30
 def step_seconds(overrides: list[str]) -> tuple[float, int]:
     """Seconds of a forward and backward of the plan's rank 0, and the aten operators it runs."""
     config = compose(*DEFAULTS, *overrides)
-    pm = plugin_manager(config)
-    plan = build_plan(config, pm, None, 256)
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, 256)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        hooks = Hooks(pm, plan, config)
+        hooks = Hooks(registry, plan, config)
         (model,) = build_model_parts(hooks, ParallelMesh(plan.mesh_shape, "cpu", plan.borrowed()), config,
                                      torch.device("cpu"))
         tokens = torch.zeros(1, config.training.seq_len, dtype=torch.long)

@@ -4,7 +4,7 @@
 
 Every combination trains the same model on the same global batches; the table gives the median
 ``step_time_s`` of ``metrics.jsonl`` after the warm-up steps and its ratio to the single-process run
-(> 1: slower than one process), beside the ratio the planner predicts (``python -m titan_core.plan
+(> 1: slower than one process), beside the ratio the planner predicts (``python -m titan_core.planner
 --hardware cpu-measured``). Extra arguments are Hydra overrides for every run (e.g. ``model=tiny``).
 On a shared machine run it alone (``flock /tmp/titan-cpu.lock python bench/parallel_step_time.py``):
 the figures are wall-clock times, and several processes share the machine's cores.
@@ -17,8 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from titan_core.planning.cli import job_estimate
-from titan_core.planning.hardware import cpu_measured
+from titan_core.planner.cli import job_estimate
+from titan_core.planner.hardware import cpu_measured
 from titan_core.testing import run_job
 
 COMBINATIONS = {

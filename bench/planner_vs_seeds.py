@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 import time
 
-from titan_core.planning.cli import job_estimate
-from titan_core.planning.estimate import GIB
+from titan_core.planner.cli import job_estimate
+from titan_core.planner.estimate import GIB
 
 HARDWARE = "h100_sxm_96gb"
 FLOAT8 = "plugins.float8.fsdp_float8_all_gather=true"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_core.plan import build_meta_model, model_description
+from titan_core.plugins import build_meta_model, model_description
 from titan_core.testing import compose
 
 GB = 1e9

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from titan_core.data import document_opener, load_tokenizer
 from titan_core.data.text import PackedLoader
-from titan_core.init import init_weights
+from titan_core.initialization import init_weights
 from titan_llama3.model import Transformer
 from titan_llama3.plugin import llama_args, describe
 from titan_core.train import cross_entropy_loss

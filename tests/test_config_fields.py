@@ -4,7 +4,7 @@ field, before anything starts; the defaults pass."""
 import pytest
 
 from titan_core.errors import ConfigError
-from titan_core.run import NUMBERS, check_numbers
+from titan_core.launch.checks import NUMBERS, check_numbers
 from titan_core.testing import compose as config, config_error as refusal
 
 
@@ -29,6 +29,7 @@ BAD = {
     "launch.cpu_threads_per_worker": "true",
     "launch.init_timeout_s": "0",
     "launch.hang_timeout_s": "-5",
+    "launch.stop_timeout_s": "0",
 }
 
 
@@ -62,7 +63,7 @@ def test_the_defaults_and_the_nulls_pass():
     (["~training"], "training: is the core's and cannot be removed"),
 ])
 def test_what_hydra_would_dump_is_one_line_before_it_composes(argv, message):
-    from titan_core.run import check_command_line
+    from titan_core.launch.command_line import check_command_line
 
     with pytest.raises(ConfigError) as error:
         check_command_line(argv)
@@ -73,7 +74,7 @@ def test_what_hydra_would_dump_is_one_line_before_it_composes(argv, message):
                                   ["--config-name=mine", "plugins.fsdp.degree=2"], ["hydra.run.dir=/tmp/x"],
                                   ["++training.extra=1"]])
 def test_enabled_plugins_known_presets_and_own_configs_pass(argv):
-    from titan_core.run import check_command_line
+    from titan_core.launch.command_line import check_command_line
 
     check_command_line(argv)
 
@@ -96,7 +97,7 @@ PLUGIN_BAD = {
     "plugins.float8.fsdp_float8_all_gather": "1",
     "plugins.fsdp.degree": "0", "plugins.fsdp.replicate_degree": "0", "plugins.fsdp.param_dtype": "int8",
     "plugins.fsdp.reduce_dtype": "float64", "plugins.fsdp.reshard_after_forward": "sometimes",
-    "plugins.fsdp.cpu_offload": "1", "plugins.fsdp.prefetch": "-1",
+    "plugins.fsdp.cpu_offload": "1", "plugins.fsdp.prefetch": "-1", "plugins.fsdp.reduce_gradients": "sometimes",
     "plugins.pp.degree": "0", "plugins.pp.schedule": "Zigzag", "plugins.pp.microbatches": ("0", "abc"),
     "plugins.pp.stages_per_rank": ("0", "1.5"), "plugins.pp.layers_per_stage": ("0", "true"), "plugins.pp.first_stage_fewer_layers": "-1",
     "plugins.pp.last_stage_fewer_layers": "2.5", "plugins.pp.placement": ("zigzag", "7"),

@@ -1,11 +1,12 @@
-"""The model and plugin contract, tried the way an outsider would: a model plugin and a plugin written from
+"""The model and plugin contract, tried the way an outsider would: a model plugin and plugins written from
 docs/writing-models.md and docs/writing-plugins.md, installed for the test."""
 
 import json
 
 import pytest
 
-from titan_core.testing import TINY, compare, error_line, install_plugins, run_job
+from titan_core.plugins import Hooks, Registry, build_plan
+from titan_core.testing import TINY, compare, compose, error_line, install_plugins, run_job
 
 # A model the core has never seen: its own names, learned positions computed inside forward, and a
 # description that says only what it must. Plugins that need more must refuse it, never train it wrong.
@@ -226,3 +227,195 @@ def test_lifecycle_hooks_and_own_options(tmp_path, outsiders):
     assert "| probe_step_squared 9 |" in result.stdout
     assert json.loads(out.read_text()) == {"after_init": True, "optimizer_steps": 3}
     assert "   -  probe" in result.stdout  # no declare: no stage, still in the plan
+
+
+# A plugin written from docs/writing-plugins.md alone, using every event the contract gained: a class (one object
+# per run) with state a checkpoint keeps, a data-parallel dimension of its own whose gradients it averages in
+# after_backward, a module conversion, the micro-batch index and count, and the error event.
+REPLICA = """
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_core import PP, Declaration, MeshDimension, hookimpl, replace
+
+
+class CountingLinear(nn.Linear):
+    \"\"\"A linear that counts its forwards: the same arithmetic as the one it replaces.\"\"\"
+
+    forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        return super().forward(x)
+
+
+class Replica:
+    def __init__(self):
+        self.steps_done = 0           # kept by checkpoints
+        self.micro_batches = []
+        self.averaged = 0
+
+    @hookimpl
+    def declare(self, plugin_config):
+        \"\"\"replica: a data-parallel dimension of its own, sized by `size`.\"\"\"
+        return Declaration(mesh={"replica": plugin_config.size}, options={"replica": "size"},
+                           dimensions={"replica": MeshDimension(after=PP, data_parallel=True)})
+
+    @hookimpl
+    def convert_modules(self, model, plan):
+        \"\"\"replica: every linear of every block counts its forwards.\"\"\"
+        for block in plan.model.blocks_of(model).values():
+            for name, module in list(block.named_modules()):
+                if type(module) is nn.Linear:
+                    replace(block, name, CountingLinear(module.in_features, module.out_features,
+                                                        bias=module.bias is not None, device="meta"))
+
+    @hookimpl
+    def batch_context(self, micro_batch, micro_batches):
+        \"\"\"replica: record which micro-batch of how many runs.\"\"\"
+        self.micro_batches.append([micro_batch, micro_batches])
+
+    @hookimpl
+    def after_backward(self, model_parts, mesh):
+        \"\"\"replica: average the step's gradients over the replica ranks.\"\"\"
+        group = mesh.submesh("replica").get_group()
+        for part in model_parts:
+            for param in part.parameters():
+                if param.grad is not None:
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
+        self.averaged += 1
+
+    @hookimpl
+    def after_optimizer_step(self, step, plugin_config):
+        \"\"\"replica: fail where the test asks.\"\"\"
+        if step == plugin_config.fail_at:
+            raise RuntimeError(f"injected at step {step}")
+
+    @hookimpl
+    def step_metrics(self, model_parts):
+        \"\"\"replica: steps done so far (restored on resume) and the counting linears' forwards.\"\"\"
+        calls = sum(m.forwards for part in model_parts for m in part.modules() if isinstance(m, CountingLinear))
+        return {"replica_steps_done": self.steps_done + 1, "linear_forwards": calls}
+
+    @hookimpl
+    def on_step_end(self):
+        \"\"\"replica: count the step.\"\"\"
+        self.steps_done += 1
+
+    def state_dict(self):
+        return {"steps_done": self.steps_done}
+
+    def load_state_dict(self, state):
+        self.steps_done = state["steps_done"]
+
+    def _report(self, plugin_config, **extra):
+        report = {"micro_batches": self.micro_batches, "averaged": self.averaged, **extra}
+        Path(plugin_config.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+
+    @hookimpl
+    def on_train_end(self, state, preempted, plugin_config):
+        \"\"\"replica: write what it saw.\"\"\"
+        counting = sum(isinstance(m, CountingLinear) for part in state.model_parts for m in part.modules())
+        self._report(plugin_config, counting_linears=counting, preempted=preempted)
+
+    @hookimpl
+    def on_error(self, error, step, plugin_config):
+        \"\"\"replica: write what failed, and when.\"\"\"
+        self._report(plugin_config, error=f"{type(error).__name__}: {error}", step=step)
+"""
+
+
+@pytest.fixture
+def replica(tmp_path):
+    return install_plugins(tmp_path / "site", {"replica": (REPLICA, "size: 1\nfail_at: 0\nout: .\n")},
+                           distribution="replica-plugin", plugin_objects={"replica": "Replica"})
+
+
+def _reports(out, ranks):
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.slow
+def test_an_outsiders_data_parallel_dimension_averages_in_the_gradient_event_under_pp(tmp_path, replica):
+    """replica 2 x pp 2 with two accumulated micro-batches trains like one process: the outsider's plugin averages
+    the gradients over its dimension once per step, after every stage's backward. Without that average the two
+    replicas' weights would part (final_weights refuses ranks that disagree)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    accumulated = [*TINY, "training.grad_accum_steps=2"]
+    reference = run_job(accumulated, tmp_path / "one")
+    result = run_job([*accumulated, "+plugins=[pp,replica]", "plugins.pp.degree=2", "plugins.replica.size=2",
+                      f"plugins.replica.out={out}"], tmp_path / "run", env=replica)
+    assert "world 4 = pp 2 x replica 2" in result.stdout
+    report = compare(result, reference)
+    assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+    for seen in _reports(out, 4):
+        assert seen["averaged"] == 5  # once per step
+        assert seen["micro_batches"] == [[0, 2], [1, 2]] * 5
+        assert seen["counting_linears"] == 2 * 7  # two blocks a stage, seven linears a block: all converted
+    assert result.metrics[-1]["linear_forwards"] > 0
+
+
+@pytest.mark.slow
+def test_an_outsiders_state_is_checkpointed_and_restored(tmp_path, replica):
+    """The plugin object's state (steps done) is saved with the training state and restored on resume: the resumed
+    run logs what the uninterrupted one did, its own counter included."""
+    job = [*TINY, "+plugins=[replica,checkpoint]", "plugins.checkpoint.interval=2", f"plugins.replica.out={tmp_path}"]
+    whole = run_job(job, tmp_path / "whole", env=replica)
+    saved = tmp_path / "whole" / "checkpoints" / "step-2"
+    resumed = run_job([*job, f"plugins.checkpoint.load_path={saved}"], tmp_path / "resumed", env=replica)
+    assert [m["step"] for m in resumed.metrics] == [3, 4, 5]
+    assert [m["replica_steps_done"] for m in resumed.metrics] == [3, 4, 5]
+    for key in ("loss", "grad_norm", "replica_steps_done"):
+        assert [m[key] for m in resumed.metrics] == [m[key] for m in whole.metrics[2:]], key
+
+
+def test_a_failing_run_tells_the_plugins_before_its_one_line(tmp_path, replica):
+    result = run_job([*TINY, "training.steps=3", "+plugins=[replica]", "plugins.replica.fail_at=2",
+                      f"plugins.replica.out={tmp_path}"], tmp_path / "run", expect_success=False, env=replica)
+    assert result.returncode == 1
+    assert [line for line in result.stderr.splitlines() if line.startswith("titan-core:")] == [
+        f"titan-core: rank 0 failed: RuntimeError: injected at step 2; traceback in {tmp_path / 'run' / 'logs'}"
+        "/rank0.log"]
+    (seen,) = _reports(tmp_path, 1)
+    assert (seen["error"], seen["step"]) == ("RuntimeError: injected at step 2", 2)
+
+
+ORDERED = """
+from titan_core import hookimpl
+
+
+@hookimpl({option}=True)
+def apply_parallelism(model_parts):
+    {body}
+"""
+
+
+@pytest.mark.parametrize("option", ["wrapper", "hookwrapper", "tryfirst", "trylast"])
+def test_pluggy_options_the_core_cannot_honour_are_refused(tmp_path, option):
+    """A wrapper would get no implementation to wrap and tryfirst/trylast nothing to order: each plugin's hook is
+    called on its own. Before this check a wrapper registered, passed, and its body never ran."""
+    source = ORDERED.format(option=option, body="return (yield)" if option.endswith("wrapper") else "return None")
+    env = install_plugins(tmp_path / "site", {"wrapping": (source, "")}, "wrapping-plugin")
+    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[wrapping]"], tmp_path / "run", expect_success=False,
+                     env=env)
+    assert (f"titan-core: error: plugins.wrapping: its apply_parallelism is marked {option}=True, which titan-core "
+            "cannot honour") in error_line(result)
+
+
+def test_each_plugins_hooks_are_called_through_pluggy():
+    """Calls go through pluggy's hook callers (its call monitoring sees them), one plugin at a time, in plan order."""
+    config = compose(*TINY, "+plugins=[fsdp,ac,tp]", "plugins.fsdp.degree=1", "plugins.tp.degree=1")
+    registry = Registry(config)
+    seen = []
+    registry.pm.add_hookcall_monitoring(lambda name, impls, kwargs: seen.append((name, [i.plugin_name for i in impls])),
+                                        lambda outcome, name, impls, kwargs: None)
+    plan = build_plan(config, registry, None, 256, validate=False)
+    Hooks(registry, plan, config).each("validate", config=config)
+    assert [impls for name, impls in seen if name == "validate"] == [["tp"], ["ac"], ["fsdp"]]
+    assert ("declare", ["fsdp"]) in seen and ("describe_model", ["llama3"]) in seen

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_for_rank
-from titan_core.run import check_devices
+from titan_core.launch.checks import check_devices
 from titan_core.testing import TINY
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -71,8 +71,8 @@ def test_cuda_asked_for_on_a_machine_without_it():
 
 
 def test_a_fill_degree_counts_gpus_only_when_the_job_uses_them(four_gpu_machine):
-    from titan_core.cluster import job_nodes
-    from titan_core.run import prepare
+    from titan_core.launch.cluster import job_nodes
+    from titan_core.launch.checks import prepare
     from titan_core.testing import compose, config_error
 
     base = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "+plugins=[fsdp]")
@@ -113,7 +113,7 @@ def test_sharded_parameters_compute_in_bf16_on_gpus_and_fp32_on_the_cpu_by_defau
 
 
 def test_a_multi_node_gpu_job_gets_every_gpu_of_every_node(four_gpu_machine):
-    from titan_core.cluster import Nodes, allocated_world_size
+    from titan_core.launch.cluster import Nodes, allocated_world_size
 
     assert allocated_world_size(Nodes(3, 0, "gpu07:20000", "x"), None) == 12
     assert allocated_world_size(Nodes(3, 0, "gpu07:20000", "x"), "cpu") is None  # the degrees set a CPU world

@@ -20,10 +20,11 @@ from titan_core import Declaration, MeshDimension, hookimpl
 
 @hookimpl
 def declare(plugin_config):
-    return Declaration(stage=700, mesh={plugin_config.dim: plugin_config.degree},
+    return Declaration(stage=700, mesh={plugin_config.dim: plugin_config.size},
                        dimensions={plugin_config.dim: MeshDimension(after=plugin_config.after,
                                                                     borrows=tuple(plugin_config.borrows),
-                                                                    data_parallel=plugin_config.data_parallel)})
+                                                                    data_parallel=plugin_config.data_parallel)},
+                       options={plugin_config.dim: "size"})  # errors about its degree name plugins.meshprobe.size
 
 
 @hookimpl
@@ -37,7 +38,7 @@ def apply_parallelism(mesh, plugin_config, plan):
             "dp_rank": mesh.local_rank(*plan.data_parallel_dims), "degree": plan.degree(plugin_config.dim)}
     Path(plugin_config.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
 '''
-OPTIONS = "dim: extra\ndegree: 2\nafter: null\nborrows: []\ndata_parallel: false\nalso: []\nout: .\n"
+OPTIONS = "dim: extra\nsize: 2\nafter: null\nborrows: []\ndata_parallel: false\nalso: []\nout: .\n"
 
 
 @pytest.fixture
@@ -85,13 +86,15 @@ def test_a_borrowing_dimension_reuses_ranks_and_leaves_the_rest(tmp_path, mesh_p
     (["plugins.meshprobe.after=dp"],
      "plugins.meshprobe: places mesh dimension 'extra' after unknown dimension 'dp'; fix: use one of pp, "
      "dp_replicate, dp_shard, cp, tp"),
-    (["plugins.meshprobe.dim=ep", "plugins.meshprobe.borrows=[dp_shard,cp]", "plugins.meshprobe.degree=3",
+    # The error names the option the user set for the degree (its plugin's own name for it, Declaration.options)
+    # and the option that sized the ranks it borrows.
+    (["plugins.meshprobe.dim=ep", "plugins.meshprobe.borrows=[dp_shard,cp]", "plugins.meshprobe.size=3",
       "+plugins=[fsdp]", "plugins.fsdp.degree=4"],
-     "plugins.meshprobe.degree: ep degree 3 does not divide the 4 rank(s) of dp_shard x cp it borrows; fix: "
-     "choose a divisor of 4, or enlarge dp_shard x cp"),
+     "plugins.meshprobe.size: ep degree 3 does not divide the 4 rank(s) of dp_shard x cp it borrows (dp_shard 4 "
+     "from plugins.fsdp.degree); fix: set plugins.meshprobe.size to a divisor of 4, or enlarge dp_shard x cp"),
     (["plugins.meshprobe.dim=ep", "plugins.meshprobe.borrows=[dp_shard,cp]"],
-     "plugins.meshprobe.degree: ep degree 2 does not divide the 1 rank(s) of dp_shard x cp it borrows; fix: "
-     "choose a divisor of 1, or enlarge dp_shard x cp"),
+     "plugins.meshprobe.size: ep degree 2 does not divide the 1 rank(s) of dp_shard x cp it borrows (no plugin "
+     "sizes them); fix: set plugins.meshprobe.size to a divisor of 1, or enlarge dp_shard x cp"),
     (["plugins.meshprobe.dim=ep", "plugins.meshprobe.borrows=[dp]"],
      "plugins.meshprobe: mesh dimension 'ep' borrows 'dp', which is no mesh dimension that multiplies the world; "
      "fix: borrow from pp, dp_replicate, dp_shard, cp, tp"),

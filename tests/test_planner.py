@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_core.errors import ConfigError
-from titan_core.plan import build_plan, plugin_manager
-from titan_core.planning.cli import job_estimate
-from titan_core.planning.costs import estimate
-from titan_core.planning.estimate import GIB
-from titan_core.planning.hardware import Hardware, hardware_profile
+from titan_core.plugins import Registry, build_plan
+from titan_core.planner.cli import job_estimate
+from titan_core.planner.costs import estimate
+from titan_core.planner.estimate import GIB
+from titan_core.planner.hardware import Hardware, hardware_profile
 from titan_core.testing import compose, install_plugins
 
 spec = importlib.util.spec_from_file_location("tracked_rank", Path(__file__).with_name("tracked_rank.py"))
@@ -38,17 +38,17 @@ def test_parameters_are_the_published_counts(preset, published):
 
 def _estimate(*overrides):
     config = compose(*SMALL, *overrides)
-    pm = plugin_manager(config)
-    plan = build_plan(config, pm, None, 256)
-    return config, pm, plan, estimate(config, plan, pm, CPU)
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, 256)
+    return config, registry, plan, estimate(config, plan, registry, CPU)
 
 
-def _tracked_step(config, pm, plan, fake_tensors: bool = False) -> dict:
+def _tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     """Torch's tracker over a step of rank 0 of the plan, in this process: a fake process group stands in for the
     other ranks (its collectives move nothing but make their results at full size)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        return tracked_rank.tracked_step(config, pm, plan, fake_tensors)
+        return tracked_rank.tracked_step(config, registry, plan, fake_tensors)
     finally:
         dist.destroy_process_group()
 
@@ -76,9 +76,9 @@ TP_NO_SP = ("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_paralle
         "fsdp-float8"])
 def test_predicted_peak_matches_torchs_memory_tracker(overrides):
     """Within 5% of torch's tracker, rank 0 of each plan (a fake process group stands in for the others)."""
-    config, pm, plan, result = _estimate("launch.device=cpu", *overrides)
+    config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
     predicted = result.memory()
-    measured = _tracked_step(config, pm, plan)
+    measured = _tracked_step(config, registry, plan)
     assert (measured["float8_linears"] == 7 * 4) == ("float8" in str(overrides))  # the blocks' linears ran float8
     if "fsdp" not in str(overrides):  # FSDP's gathered weights are parameters to the tracker, buffers to us
         assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)  # norms stay whole under tp
@@ -89,29 +89,48 @@ def test_predicted_peak_matches_torchs_memory_tracker(overrides):
 @pytest.mark.parametrize("overrides", [
     ("+plugins=[tp]", "plugins.tp.degree=2"), TP_NO_SP, DISTRIBUTED,
     ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "training.grad_accum_steps=2"),
+    ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "training.grad_accum_steps=2",
+     "plugins.fsdp.reduce_gradients=last_micro_batch"),
     ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2"),
     ("+plugins=[fsdp,tp]", "plugins.fsdp.degree=2", "plugins.tp.degree=2"),
-], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "hsdp", "fsdp-tp"])
+], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "fsdp-grad-accum-reduce-last", "hsdp", "fsdp-tp"])
 def test_collective_calls_are_those_torch_issues(overrides):
     """Each call pays the link's latency: a plugin's stated calls per step are those its rank 0 issues. (Context
     parallel's ring exchanges do not reach the dispatcher on a fake process group: cp is not checked here.)"""
-    config, pm, plan, result = _estimate("launch.device=cpu", *overrides)
+    config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        issued = tracked_rank.collective_calls(config, pm, plan)
+        issued = tracked_rank.collective_calls(config, registry, plan)
     finally:
         dist.destroy_process_group()
     assert sum(result.collective_calls(c) for c in result.collectives) == issued
+
+
+@pytest.mark.parametrize("policy, per_step", [("every_micro_batch", 4), ("last_micro_batch", 1)])
+def test_fsdp_reduces_each_micro_batch_or_only_the_last(policy, per_step):
+    """Under 4 accumulated micro-batches FSDP reduce-scatters each unit's gradients 4 times a step, or once with
+    reduce_gradients=last_micro_batch, whose whole gradients held until then the planner counts as a buffer."""
+    config, registry, plan, result = _estimate("launch.device=cpu", "+plugins=[fsdp]", "plugins.fsdp.degree=2",
+                                               "training.grad_accum_steps=4", f"plugins.fsdp.reduce_gradients={policy}")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        issued = tracked_rank.reduce_scatters(config, registry, plan)
+    finally:
+        dist.destroy_process_group()
+    units = plan.model.n_layers + 2  # each block, the embeddings, the final norm with the output (the root: none)
+    assert issued == per_step * units, issued
+    held = [term for term in result.memory_terms if "until the last micro-batch" in term[1]]
+    assert len(held) == (policy == "last_micro_batch")
 
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3_tiny", "gpt2_tiny"])
 def test_the_trace_counts_the_operators_a_step_runs(model):
     """The host issues a step's operators one by one: the trace's count is within 10% of a real step's (which
     also runs the optimizer's few batched operators)."""
-    config, pm, plan, result = _estimate("launch.device=cpu", f"model={model}")
+    config, registry, plan, result = _estimate("launch.device=cpu", f"model={model}")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
-        issued = tracked_rank.operators(config, pm, plan)
+        issued = tracked_rank.operators(config, registry, plan)
     finally:
         dist.destroy_process_group()
     assert sum(result.facts.block_ops) + result.facts.outer_ops == pytest.approx(issued, rel=0.1)
@@ -135,6 +154,7 @@ def test_each_call_pays_the_latency_and_each_operator_the_host_time():
     optimizer = dataclasses.replace(one, hardware=dataclasses.replace(CPU, memory_gbps=CPU.memory_gbps / 2))
     assert optimizer.step_seconds()["optimizer"] == pytest.approx(2 * one.step_seconds()["optimizer"])
     assert 50 < one.optimizer_bytes < 150  # AdamW's batched update: several passes over 16 bytes per parameter
+    assert one.optimizer_state_bytes == 8  # its two float32 moments
 
 
 @pytest.mark.slow
@@ -162,10 +182,10 @@ def test_llama_8b_on_8_gpus_matches_the_tracker_at_full_size():
     config = compose("model=8B", "tokenizer.path=bytes", "launch.device=cpu", "training.seq_len=8192",
                      "training.global_batch_size=16", "+plugins=[fsdp]", "plugins.fsdp.degree=8",
                      "plugins.fsdp.param_dtype=bfloat16")
-    pm = plugin_manager(config)
-    plan = build_plan(config, pm, None, 256)
-    predicted = estimate(config, plan, pm, CPU).memory()
-    measured = _tracked_step(config, pm, plan, fake_tensors=True)
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, 256)
+    predicted = estimate(config, plan, registry, CPU).memory()
+    measured = _tracked_step(config, registry, plan, fake_tensors=True)
     assert measured["Total"] > 60 * GIB
     assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.02
 
@@ -178,10 +198,10 @@ def test_llama_70b_widths_under_fsdp_32_x_tp_8_match_the_tracker():
     config = compose("model=70B", "model.n_layers=2", "tokenizer.path=bytes", "launch.device=cpu",
                      "training.seq_len=256", "training.global_batch_size=32", "+plugins=[fsdp,tp,ac]",
                      "plugins.fsdp.degree=32", "plugins.tp.degree=8", "plugins.ac.mode=full")
-    pm = plugin_manager(config)
-    plan = build_plan(config, pm, None, 256)
-    predicted = estimate(config, plan, pm, CPU).memory()
-    measured = _tracked_step(config, pm, plan)
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, 256)
+    predicted = estimate(config, plan, registry, CPU).memory()
+    measured = _tracked_step(config, registry, plan)
     assert measured["Total"] > 4 * GIB
     assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.05
 
@@ -223,7 +243,7 @@ def estimate_costs(estimate, plugin_config):
 def _plan_command(*args, env=None):
     import os
 
-    return subprocess.run([sys.executable, "-m", "titan_core.plan", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "titan_core.planner", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=300)
 
 
@@ -273,6 +293,36 @@ def test_a_field_an_outsider_sets_is_read_by_the_plugins_it_concerns(tmp_path):
     assert "splitstream: gathered stream" in printed and "(after the blocks' backward)" in printed
 
 
+MOMENTUM = '''
+import torch
+from titan_core import hookimpl
+
+
+@hookimpl
+def build_optimizer(model_parts):
+    """momentum: SGD with momentum, one state per parameter."""
+    return torch.optim.SGD([p for part in model_parts for p in part.parameters()], lr=0.1, momentum=0.9)
+'''
+
+
+def test_an_optimizer_plugins_state_is_measured_not_assumed(tmp_path):
+    """The planner steps the job's own optimizer on one parameter: an outsider's SGD with momentum keeps half of
+    AdamW's state per parameter, with nothing stated by the plugin."""
+    env = install_plugins(tmp_path / "site", {"momentum": (MOMENTUM, "")}, "momentum-plugin")
+
+    def optimizer_gib(*plugins):
+        done = _plan_command("--hardware", "a100", *SMALL, "launch.world_size=2", f"+plugins=[{','.join(plugins)}]",
+                             env=env)
+        assert done.returncode == 0, done.stderr
+        line = next(line for line in done.stdout.splitlines() if line.strip().startswith("optimizer "))
+        return float(line.split()[1]), line.split()[2]
+
+    adamw, momentum = optimizer_gib("fsdp"), optimizer_gib("fsdp", "momentum")
+    assert adamw[1] == momentum[1] and momentum[0] == pytest.approx(adamw[0] / 2, rel=0.01)
+    *_, narrow = _estimate("optimizer.state_dtype=bfloat16")
+    assert narrow.optimizer_state_bytes == 4  # AdamW's two moments in bfloat16
+
+
 def test_a_plugin_without_the_hook_is_reported_not_counted():
     *_, result = _estimate("+plugins=[chunked_loss]")
     assert result.not_counted == ["chunked_loss"]
@@ -295,13 +345,13 @@ def test_bad_input_is_one_line_naming_the_field(args, field, words):
 
 
 def test_an_optimizer_the_planner_cannot_step_is_named_in_one_line():
-    from titan_core.planning.facts import optimizer_traffic
+    from titan_core.planner.facts import optimizer_facts
 
     def refusing(model_parts, config):
         raise RuntimeError("wants DTensor parameters\nand a long traceback")
 
     with pytest.raises(ConfigError) as error:
-        optimizer_traffic(refusing, compose(*SMALL))
+        optimizer_facts(refusing, compose(*SMALL))
     assert error.value.field == "optimizer" and "failed there: wants DTensor parameters" in str(error.value)
     assert "traceback" not in str(error.value)
 
@@ -342,9 +392,9 @@ def test_a_pipeline_rank_holds_the_output_or_the_most_micro_batches():
 
 
 def test_recommend_ranks_the_plans_that_fit_and_they_run_as_printed(tmp_path):
-    from titan_core.cluster import job_nodes
-    from titan_core.planning.cli import recommendations
-    from titan_core.run import prepare
+    from titan_core.launch.cluster import job_nodes
+    from titan_core.planner.cli import recommendations
+    from titan_core.launch.checks import prepare
 
     text = recommendations(["--hardware", "a100", "--recommend", *SMALL, "launch.world_size=4",
                             "+plugins=[fsdp,tp,ac]", "plugins.ac.every=3"])
@@ -379,7 +429,7 @@ def plan_options():
 
 
 def test_recommend_says_when_nothing_fits():
-    from titan_core.planning.cli import recommendations
+    from titan_core.planner.cli import recommendations
 
     with pytest.raises(ConfigError) as error:
         recommendations(["--hardware", "a100", "--recommend", "model=8B", "training.seq_len=8192",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from titan_core.init import init_weights
+from titan_core.initialization import init_weights
 from titan_llama3.model import Transformer
 from titan_llama3.plugin import llama_args, describe
 from titan_core.testing import TINY, run_job

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from titan_core.mesh import ParallelMesh
-from titan_core.plan import Hooks
-from titan_core.planning.facts import OperatorCounter
+from titan_core.plugins import Hooks, Registry, build_plan
+from titan_core.planner.facts import OperatorCounter
+from titan_core.testing import compose
 from titan_core.train import build_model_parts, cross_entropy_loss
 
 
@@ -36,7 +37,7 @@ class Tracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
 
-def tracked_step(config, pm, plan, fake_tensors: bool = False) -> dict:
+def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     """Peak bytes by category over the second training step of this rank (the optimizer's states exist from the
     first on), the core's schedule and the plugins' transforms run as in a worker, in the process group already
     initialized. Every tensor the plan's build and first step left alive is counted, not only the model's and
@@ -47,7 +48,7 @@ def tracked_step(config, pm, plan, fake_tensors: bool = False) -> dict:
 
     before = _alive_tensors()
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
-    parts, optimizer, step = _training_step(config, pm, plan, fake)
+    parts, optimizer, step = _training_step(config, registry, plan, fake)
     with fake:
         step()
         tracker = Tracker()
@@ -65,29 +66,34 @@ def _collective(operator) -> bool:  # waits and autograd's wrappers are not call
             and operator.__name__.split(".")[0] not in ("wait_tensor", "_wrap_tensor_autograd"))
 
 
-def collective_calls(config, pm, plan) -> int:
+def collective_calls(config, registry, plan) -> int:
     """Collectives this rank issues in its second training step."""
-    return _counted(OperatorCounter(_collective), config, pm, plan)
+    return _counted(OperatorCounter(_collective), config, registry, plan)
 
 
-def operators(config, pm, plan) -> int:
+def reduce_scatters(config, registry, plan) -> int:
+    """Reduce-scatters this rank issues in its second training step."""
+    return _counted(OperatorCounter(lambda operator: "reduce_scatter" in operator.__name__), config, registry, plan)
+
+
+def operators(config, registry, plan) -> int:
     """Aten operators this rank runs in its second training step."""
-    return _counted(OperatorCounter(), config, pm, plan)
+    return _counted(OperatorCounter(), config, registry, plan)
 
 
-def _counted(counting, config, pm, plan) -> int:
-    _, _, step = _training_step(config, pm, plan)
+def _counted(counting, config, registry, plan) -> int:
+    _, _, step = _training_step(config, registry, plan)
     step()
     with counting:
         step()
     return counting.calls
 
 
-def _training_step(config, pm, plan, tensors=contextlib.nullcontext()):
+def _training_step(config, registry, plan, tensors=contextlib.nullcontext()):
     """This rank's model parts and optimizer, built as a worker builds them (their tensors made in the
     ``tensors`` mode), and a function running one step."""
     torch.manual_seed(0)
-    hooks = Hooks(pm, plan, config)
+    hooks = Hooks(registry, plan, config)
     mesh = ParallelMesh(plan.mesh_shape, "cpu", plan.borrowed())
     training = config.training
     with tensors:
@@ -98,10 +104,11 @@ def _training_step(config, pm, plan, tensors=contextlib.nullcontext()):
         tokens = torch.randint(0, 256, (training.global_batch_size // plan.dp_size, training.seq_len))
 
     def step():
-        for micro in tokens.chunk(training.grad_accum_steps):
+        for index, micro in enumerate(tokens.chunk(training.grad_accum_steps)):
             micro, labels = micro.clone(), micro.clone()
             with contextlib.ExitStack() as stack:
                 for context in hooks.each("batch_context", inputs=micro, labels=labels, model_kwargs={},
+                                          micro_batch=index, micro_batches=training.grad_accum_steps,
                                           model_parts=parts, mesh=mesh, config=config):
                     stack.enter_context(context)
                 schedule.run(micro, labels, {})
@@ -117,16 +124,13 @@ def _alive_tensors() -> dict[int, torch.Tensor]:
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    from titan_core.plan import build_plan, plugin_manager
-    from titan_core.testing import compose
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         config = compose(*overrides)
-        pm = plugin_manager(config)
-        plan = build_plan(config, pm, dist.get_world_size(), 256)
-        measured = tracked_step(config, pm, plan)
+        registry = Registry(config)
+        plan = build_plan(config, registry, dist.get_world_size(), 256)
+        measured = tracked_step(config, registry, plan)
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(measured))
     finally:
         dist.destroy_process_group()

@@ -1,16 +1,71 @@
-"""titan-core: a PyTorch-native LLM trainer made of a small core and pip-installable plugins."""
+"""titan-core: a PyTorch-native LLM trainer made of a small core and pip-installable plugins.
 
+This package's root is the front door: everything a plugin or model author needs is importable from
+``titan_core`` and listed in ``__all__``; nothing else of the core is public. The testing kit (parity
+harness, conformance kit, throwaway plugins, a model built and initialized in one process) is
+:mod:`titan_core.testing`, a module of its own because it loads pytest.
+
+    the contract      hookimpl, hookspec (titan_core.hookspecs: every hook, typed and documented)
+    the plan          Declaration, MeshDimension, Plan, PlannedPlugin, the mesh dimension names, rest_of
+    capabilities      PIPELINE, TENSOR_PARALLEL, ... (titan_core.capabilities)
+    the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name
+    attention seam    causal_attention, document_attention, document_causal_mask, document_ids, grouped
+    the objective     add_loss
+    the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
+    data-parallel     replicate_only_over, replicated_over
+    options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, replica_count
+    tools             load_tokenizer, tokenizer_file, model_description, build_meta_model
+    the planner       Estimate, Hardware (what estimate_costs and plan_options receive)
+    errors            ConfigError
+"""
+
+from titan_core.attention import causal_attention, document_attention, document_causal_mask, document_ids, grouped
+from titan_core.capabilities import (CHECKPOINTING, COMPILE, CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING,
+                                     EXPERT_PARALLEL, PARTIAL_DATA_PARALLEL, PIPELINE, SPLIT_BACKWARD, TENSOR_PARALLEL)
+from titan_core.data import load_tokenizer, tokenizer_file
+from titan_core.data_parallel import replicate_only_over, replicated_over
+from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
+                                    TensorParallelLayout, attribute, canonical_name, drop, lacks, read_options, replace)
 from titan_core.errors import ConfigError
-from titan_core.hookspecs import hookimpl
+from titan_core.hookspecs import hookimpl, hookspec
+from titan_core.initialization import local_box
+from titan_core.mesh import ParallelMesh, device_kind
+from titan_core.objective import add_loss
+from titan_core.options import FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count
+from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Declaration, MeshDimension, Plan,
+                             PlannedPlugin, rest_of)
+from titan_core.planner.estimate import Estimate
+from titan_core.planner.hardware import Hardware
+from titan_core.plugins import build_meta_model, model_description
+from titan_core.train_state import Stateful, TrainState
 
-__all__ = ["ConfigError", "Declaration", "MeshDimension", "hookimpl"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    # Loaded on first use, so that `python -m titan_core.plan` runs the module it imports, not a copy of it.
-    if name in ("Declaration", "MeshDimension"):
-        from titan_core import plan
-
-        return getattr(plan, name)
-    raise AttributeError(f"module 'titan_core' has no attribute {name!r}")
+__all__ = [
+    # the contract
+    "hookimpl", "hookspec",
+    # the plan
+    "Declaration", "MeshDimension", "Plan", "PlannedPlugin", "MESH_DIMS", "PP", "DP_REPLICATE", "DP_SHARD", "CP",
+    "TP", "rest_of",
+    # capabilities
+    "CHECKPOINTING", "COMPILE", "CONTEXT_PARALLEL", "DATA_PARALLEL_SHARDING", "EXPERT_PARALLEL",
+    "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
+    # the model
+    "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "CORE_ATTENTION",
+    "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name",
+    # the attention seam
+    "causal_attention", "document_attention", "document_causal_mask", "document_ids", "grouped",
+    # the objective
+    "add_loss",
+    # the run
+    "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind",
+    # data parallel
+    "replicate_only_over", "replicated_over",
+    # options
+    "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "replica_count",
+    # tools
+    "load_tokenizer", "tokenizer_file", "model_description", "build_meta_model",
+    # the planner
+    "Estimate", "Hardware",
+    # errors
+    "ConfigError",
+]

@@ -1,4 +1,7 @@
-"""The one error type users see for bad input."""
+"""The one error type users see for bad input, and the exit code that goes with it."""
+
+# The exit code of a job refused for bad input, before any worker starts.
+EXIT_BAD_INPUT = 2
 
 
 class ConfigError(Exception):

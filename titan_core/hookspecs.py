@@ -1,85 +1,122 @@
-"""The hooks a titan-core plugin may implement.
+"""The hooks a titan-core plugin may implement: the contract.
 
-A plugin is a module (or an instance) registered under the entry-point group ``titan_core.plugins``.
-It implements any subset of the hooks below with ``@titan_core.hookimpl``; an implementation may take
-any subset of a hook's arguments, by name.
+A plugin is a module, an instance, or a class (or factory) that the core calls with no arguments once per
+run, registered under the entry-point group ``titan_core.plugins`` (models: ``titan_core.models``). It
+implements any subset of the hooks below with ``@titan_core.hookimpl``, taking any subset of a hook's
+arguments by name. A plugin object with ``state_dict()``/``load_state_dict()``
+(:class:`titan_core.Stateful`) has that state checkpointed with the training state.
 
-The kinds of hooks, and who decides the order:
+Who is called, and how the answers combine:
 
-* Models (``describe_model``, ``build_model``) are implemented by the one model plugin that
-  ``model.name`` chooses (entry-point group ``titan_core.models``); see :mod:`titan_core.description`.
-* Planning (``declare``, ``validate``, ``estimate_costs``, ``plan_options``) runs in the launching process before any worker starts.
-* Ordered transforms (``apply_parallelism``, ``wrap_loss``) run once per enabled plugin, in the plan's order
-  (stage, then name), which the core computes from the declarations. pluggy's own LIFO order is not
-  used for these, so that "PP, then TP, then CP, then AC, then compile, then FSDP" holds whatever the
-  command-line order.
-* Builders (``firstresult``) where one answer is needed: the core ships a default for each and fails
-  before launch if two enabled plugins implement the same one.
-* Events and contexts are called for every enabled plugin in plan order, then the model plugin.
+* Models (``describe_model``, ``build_model``): the one model plugin that ``model.name`` selects.
+* Planning (``declare``, ``validate``, ``estimate_costs``, ``plan_options``): in the launching process,
+  before any worker starts.
+* Ordered hooks (``convert_modules``, ``apply_parallelism``, ``after_init``, ``wrap_loss``) and events: every
+  enabled plugin that implements the hook, one at a time in plan order (stage, then name; plugins without a
+  stage last), then the model plugin. pluggy's own order (last registered first) is not used, so that
+  "PP, then TP, then CP, then AC, then compile, then FSDP" holds whatever the command-line order; pluggy's
+  ``tryfirst``, ``trylast`` and wrappers are therefore refused before launch.
+* Builders (``firstresult``): the one enabled plugin implementing the hook, else the core's default
+  (:mod:`titan_core.default_hooks`); two enabled plugins implementing one builder are refused before launch.
 
-Every hook may take ``plugin_config``: the calling plugin's own options (``config.plugins.<name>``, or
-``config.model`` for the model plugin), so no plugin needs to know the name it was installed under.
+Every hook that runs once the plan exists may take ``plugin_config``, the plugin's own options
+(``config.plugins.<name>``, or ``config.model`` for the model plugin: a plugin never needs the name it was
+installed under), and ``plan``, the validated :class:`titan_core.Plan` whose ``plan.model`` describes the model.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pluggy
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from titan_core.description import ModelDescription
+from titan_core.mesh import ParallelMesh
+from titan_core.plan import Declaration, Plan
+from titan_core.planner.estimate import Estimate
+from titan_core.planner.hardware import Hardware
+from titan_core.train_state import TrainState
 
 PROJECT = "titan_core"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 # ----------------------------------------------------------------------------------------------------------------
-# Planning: launching process, before any worker starts (and again in each worker, cheaply).
+# Planning: the launching process, before any worker starts.
 
 
 @hookspec
-def declare(config, plugin_config):
-    """Say what this plugin contributes, before anything is built. Optional: a plugin without it adds nothing
-    to the plan's order or mesh.
+def declare(config: DictConfig, plugin_config: DictConfig) -> Declaration | None:
+    """Say what this plugin contributes, before anything is built.
 
-    Called once per enabled plugin, in the launcher and in every worker. Returns a
-    :class:`titan_core.plan.Declaration`: the stage of its model transform (or None), the mesh dimensions
-    and degrees it needs, the capabilities (:mod:`titan_core.capabilities`) it provides (unique among
-    enabled plugins) and those it requires from others.
+    Runs once per enabled plugin in the launcher and again in every worker (it must be cheap and read
+    nothing). Optional: a plugin without it adds nothing to the plan's order or mesh.
+
+    :param config: The whole job config.
+    :param plugin_config: This plugin's options.
+    :returns: A :class:`titan_core.Declaration`: the stage of its model transform (or None), the mesh
+        dimensions and degrees it needs, the capabilities it provides (unique among enabled plugins) and
+        those it requires from others.
     """
 
 
 @hookspec
-def validate(config, plugin_config, plan):
+def validate(config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
     """Check this plugin's options against the whole job and the model before any worker starts.
 
-    Called once per job, in the launching process (under torchrun: in rank 0's only, so that what it reads
-    is read once however many ranks there are), for each enabled plugin after the plan (mesh shape, world
-    size, order, ``plan.model``: the model's :class:`titan_core.description.ModelDescription`) is known. Raise
-    :class:`titan_core.errors.ConfigError` naming the offending field and the fix, in particular when the
-    model's description lacks what this plugin needs; return nothing.
+    Runs once per job in the launching process (under torchrun: rank 0's only, so that what it reads is read
+    once), for each enabled plugin in plan order, once the plan (mesh, world size, order, ``plan.model``) is
+    known. Raise :class:`titan_core.ConfigError` naming the field and the fix, in particular when the model's
+    description lacks what this plugin needs (:func:`titan_core.lacks`): a plugin that cannot apply must never
+    train silently wrong.
+
+    :param config: The whole job config.
+    :param plugin_config: This plugin's options.
+    :param plan: The plan being checked.
     """
 
 
 @hookspec
-def estimate_costs(estimate, config, plugin_config, plan):
+def estimate_costs(estimate: Estimate, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
     """Change one rank's estimated memory and step time as this plugin's technique changes them.
 
-    Called by ``python -m titan_core.plan`` and the dry run, in the launching process, before anything is
-    built, once per enabled plugin in plan order. ``estimate`` is a :class:`titan_core.planning.estimate.Estimate`
-    that starts as the model alone on one process: change the fields the technique changes (sharding divides,
-    checkpointing trades, pipelining keeps micro-batches in flight) and add its own collectives and buffers
-    (``add_collective``, ``add_memory``). Returns nothing. A plugin without this hook is reported as not counted.
+    Runs in ``python -m titan_core.planner`` and the dry run, in the launching process, once per enabled
+    plugin in plan order, before anything is built. A plugin without it is reported as not counted.
+
+    :param estimate: The ledger (:class:`titan_core.Estimate`), starting as the model alone on one process:
+        change the fields the technique changes and add its own collectives and buffers (``add_collective``,
+        ``add_memory``); docs/writing-plugins.md lists the fields.
+    :param config: The whole job config.
+    :param plugin_config: This plugin's options.
+    :param plan: The plan being estimated.
     """
 
 
 @hookspec
-def plan_options(config, plugin_config, model, world_size, hardware):
-    """The settings of this plugin worth trying on a cluster, for ``python -m titan_core.plan --recommend``.
+def plan_options(config: DictConfig, plugin_config: DictConfig, model: ModelDescription, world_size: int,
+                 hardware: Hardware) -> list[dict[str, Any] | None] | None:
+    """The settings of this plugin worth trying on a cluster, for ``python -m titan_core.planner --recommend``.
 
-    Called once per plugin the command line enables, in the launching process, with the model's
-    :class:`titan_core.description.ModelDescription`, the cluster's device count and its
-    :class:`titan_core.planning.hardware.Hardware`. Returns a list of alternatives, each a dict of this
-    plugin's options (``{}``: its defaults), or None in the list when the plan may leave the plugin out. The
-    core tries every combination, drops those a ``validate`` refuses or that do not fit, and ranks the rest.
-    A plugin without this hook is tried with its options as given.
+    Runs once per plugin the command line enables, in the launching process. The core tries every
+    combination of the plugins' alternatives, drops those a ``validate`` refuses or that do not fit, and
+    ranks the rest. A plugin without it is tried with its options as given.
+
+    :param config: The whole job config.
+    :param plugin_config: This plugin's options as given.
+    :param model: The model's description.
+    :param world_size: The cluster's device count.
+    :param hardware: The cluster's accelerator profile.
+    :returns: Alternatives, each a dict of this plugin's options (``{}``: its defaults), or None in the list
+        when the plan may leave the plugin out.
     """
 
 
@@ -88,22 +125,29 @@ def plan_options(config, plugin_config, model, world_size, hardware):
 
 
 @hookspec(firstresult=True)
-def describe_model(model_config, vocab_size, seq_len):
+def describe_model(model_config: DictConfig, vocab_size: int, seq_len: int) -> ModelDescription:
     """Check the model's options and describe the model, without building it.
 
-    Called in the launcher and in every worker with ``config.model`` (the model's own schema: unknown
-    fields are this hook's to refuse), the tokenizer's vocabulary size and the training sequence length.
-    Returns a :class:`titan_core.description.ModelDescription`; raises ConfigError for bad options.
+    Runs in the launcher and in every worker, on the model plugin only.
+
+    :param model_config: ``config.model``: the model's own options (unknown fields are this hook's to refuse,
+        :func:`titan_core.read_options`).
+    :param vocab_size: The tokenizer's vocabulary size.
+    :param seq_len: The training sequence length.
+    :returns: A :class:`titan_core.ModelDescription`; raise ConfigError for bad options.
     """
 
 
 @hookspec(firstresult=True)
-def build_model(description):
-    """Build the model that ``description`` describes (``description.args`` are its options).
+def build_model(description: ModelDescription) -> nn.Module:
+    """Build the model that ``description`` describes.
 
-    Called once per worker under ``torch.device("meta")``: allocate nothing, initialize nothing (the core
-    initializes each shard later by ``description.param_init``). Returns the root ``nn.Module``; its
-    ``forward(tokens) -> logits`` must skip the ``inputs``/``outputs`` modules a pipeline stage set to None.
+    Runs once per worker under ``torch.device("meta")``, on the model plugin only: allocate nothing,
+    initialize nothing (the core initializes each shard later by ``description.param_init``).
+
+    :param description: What ``describe_model`` returned; ``description.args`` are the model's options.
+    :returns: The root module; its ``forward(tokens, **model_kwargs) -> logits`` must skip the
+        ``inputs``/``outputs`` modules a pipeline stage set to None.
     """
 
 
@@ -112,93 +156,128 @@ def build_model(description):
 
 
 @hookspec
-def convert_float8(model, config, plugin_config, plan):
-    """Swap modules for low-precision training versions, on the meta model, before any parallelism.
+def convert_modules(model: nn.Module, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
+    """Swap modules of the model for other implementations: low-precision training (float8), adapters
+    (LoRA), fake quantization (QAT).
 
-    Runs once after ``build_model`` in every enabled plugin that implements it; changes ``model`` in
-    place and returns nothing. Parallelism applied later sees the converted modules.
+    Runs once per worker on the meta model after ``build_model`` and before any parallelism, in every plugin
+    implementing it, in plan order: each sees the modules the previous ones converted, and the parallelism
+    applied later sees the result. Change ``model`` in place, keeping parameter names where the parameters
+    are the same (``titan_core.replace``).
+
+    :param model: The whole model, on the meta device.
+    :param config: The whole job config.
+    :param plugin_config: This plugin's options.
+    :param plan: The validated plan.
     """
 
 
 @hookspec
-def apply_parallelism(model_parts, mesh, config, plugin_config, plan):
+def apply_parallelism(model_parts: list[nn.Module], mesh: ParallelMesh, config: DictConfig,
+                      plugin_config: DictConfig, plan: Plan) -> list[nn.Module] | None:
     """Apply this plugin's model transform: sharding, splitting, wrapping or compiling.
 
-    Called once per enabled plugin that declared a stage, in plan order, on the meta model before
-    its weights exist. ``model_parts`` is the list of modules this rank holds (one, unless a pipeline
-    plugin split the model); ``plan`` is the validated :class:`titan_core.plan.Plan` (what the other
-    enabled plugins provide; ``plan.model`` describes the model); ``mesh`` is the
-    :class:`titan_core.mesh.ParallelMesh`. Returns a new list of model parts when the plugin replaced
-    them (pipeline stages), else None (changed in place).
+    Runs once per worker for each enabled plugin that declared a stage, in plan order, on the meta model
+    before its weights exist; each sees the previous transforms' result.
+
+    :param model_parts: The modules this rank holds (one, unless a pipeline plugin split the model).
+    :param mesh: The job's :class:`titan_core.ParallelMesh`.
+    :param config: The whole job config.
+    :param plugin_config: This plugin's options.
+    :param plan: The validated plan (what the other enabled plugins provide; ``plan.model``).
+    :returns: A new list of model parts when the plugin replaced them (pipeline stages), else None.
     """
 
 
 @hookspec
-def after_init(model_parts, mesh, config, plugin_config, plan):
+def after_init(model_parts: list[nn.Module], mesh: ParallelMesh, config: DictConfig, plugin_config: DictConfig,
+               plan: Plan) -> list[nn.Module] | None:
     """Work on the model once its weights exist: materialized on the device and initialized.
 
-    Called once per worker, in plan order, before the schedule, optimizer and checkpoint are built, for
-    what cannot be done on meta parameters (e.g. wrapping in ``DistributedDataParallel``, or loading
-    weights from elsewhere). Returns a new list of model parts, or None when it changed them in place.
+    Runs once per worker, in plan order then the model plugin, before the schedule, optimizer and
+    checkpoint are built: for what cannot be done on meta parameters (wrapping in
+    ``DistributedDataParallel``, per-parameter hooks, loading weights from elsewhere).
+
+    :returns: A new list of model parts, or None when it changed them in place.
     """
 
 
 @hookspec
-def wrap_loss(loss_fn, model_parts, config, plugin_config, plan):
-    """Return a replacement for the loss function ``loss_fn(output, labels) -> scalar``, or None.
+def wrap_loss(loss_fn: LossFn, model_parts: list[nn.Module], config: DictConfig, plugin_config: DictConfig,
+              plan: Plan) -> LossFn | None:
+    """Replace the loss function ``loss_fn(output, labels) -> scalar``.
 
-    Called once per worker after ``after_init`` and before ``build_schedule``, for each enabled plugin in
-    plan order, each receiving the previous one's result (the core's is fp32 cross entropy of the
-    model's output, the logits), e.g. to compile it. ``model_parts`` are this rank's parallelized parts,
-    for a loss that uses the model's parameters (chunked cross entropy applies the logits layer itself).
+    Runs once per worker after ``after_init`` and before ``build_schedule``, in plan order, each plugin
+    receiving the previous one's result (the core's is fp32 cross entropy of the logits).
+
+    :param loss_fn: The loss so far.
+    :param model_parts: This rank's parallelized parts, for a loss that uses the model's parameters
+        (chunked cross entropy applies the logits layer itself).
+    :returns: The replacement, or None to keep ``loss_fn``.
     """
 
 
 @hookspec(firstresult=True)
-def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
-    """Build what runs forward and backward of one micro-batch, after weights are initialized.
+def build_schedule(model_parts: list[nn.Module], mesh: ParallelMesh, config: DictConfig, loss_fn: LossFn,
+                   plugin_config: DictConfig, plan: Plan) -> Any:
+    """Build what runs forward and backward of one micro-batch, after the weights are initialized.
 
-    Returns an object with ``run(inputs, labels, model_kwargs) -> loss | None``: it must run the model
-    parts as ``part(inputs, **model_kwargs)`` (a pipeline stage after the first takes the previous stage's
-    output in place of ``inputs``, and the same keyword arguments, split into micro-batches like the
-    inputs), call backward on ``loss / config.training.grad_accum_steps`` and return the detached,
-    unscaled mean loss, or None on ranks that compute no loss (pipeline stages other than the last).
-    Validation (``validation.every``) also calls ``evaluate(inputs, labels, model_kwargs) -> loss | None``,
-    the same forward and loss without backward, under ``torch.no_grad()``; a schedule without it is
-    refused when validation is on.
-    ``model_kwargs`` holds per-token (batch, seq) tensors: ``document_ids`` under
-    ``training.attention_mask=block_causal``, nothing otherwise. The core's default is a plain forward and
-    backward on the single model part. A schedule that scales each forward's loss otherwise (a pipeline
-    divides by its micro-batches too) says by what in a ``loss_weight`` attribute, which losses added
-    inside the model (``titan_core.objective.add_loss``) then share.
+    Runs once per worker; the one enabled plugin implementing it answers, else the core's plain forward and
+    backward on the single model part.
+
+    :returns: An object with ``run(inputs, labels, model_kwargs) -> loss | None``: it runs the model parts as
+        ``part(inputs, **model_kwargs)`` (a pipeline stage after the first takes the previous stage's output
+        in place of ``inputs``, and the same keyword arguments split into micro-batches like the inputs), calls
+        backward on ``loss * loss_weight`` and returns the detached, unscaled mean loss, or None on ranks
+        that compute no loss (pipeline stages other than the last). ``loss_weight`` (an attribute; default
+        ``1 / training.grad_accum_steps``) is what each forward's loss is scaled by, which losses the model
+        adds inside its forward (:func:`titan_core.add_loss`) share. Validation also calls
+        ``evaluate(inputs, labels, model_kwargs) -> loss | None``, the same forward without backward, under
+        ``torch.no_grad()``; a schedule without it is refused when validation is on. ``model_kwargs`` holds
+        per-token (batch, seq) tensors: ``document_ids`` under ``training.attention_mask=block_causal``.
     """
 
 
 @hookspec(firstresult=True)
-def build_optimizer(model_parts, config, plugin_config, plan):
-    """Build the optimizer over all parameters of ``model_parts``; the core's default is AdamW."""
+def build_optimizer(model_parts: list[nn.Module], config: DictConfig, plugin_config: DictConfig,
+                    plan: Plan) -> torch.optim.Optimizer:
+    """Build the optimizer over the trainable parameters of ``model_parts``.
+
+    Runs once per worker; the one enabled plugin implementing it answers, else the core's AdamW. The planner
+    steps it once on one small parameter to measure its state and traffic per parameter, so any optimizer a
+    plugin builds is priced (docs/planner.md).
+
+    :returns: A ``torch.optim.Optimizer`` (its ``state_dict`` is checkpointed).
+    """
 
 
 @hookspec(firstresult=True)
-def build_lr_scheduler(optimizer, config, plugin_config, plan):
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: DictConfig, plugin_config: DictConfig,
+                       plan: Plan) -> torch.optim.lr_scheduler.LRScheduler:
     """Build the learning-rate scheduler stepped once after every optimizer step.
 
-    Returns a ``torch.optim.lr_scheduler.LRScheduler`` (its ``state_dict`` is checkpointed). The core's
-    default warms up linearly, then decays by ``config.lr_scheduler``. The learning rate logged for a
-    step is the one the optimizer used, whoever set it.
+    Runs once per worker; the one enabled plugin implementing it answers, else the core's (linear warm-up,
+    then ``lr_scheduler.decay``). The learning rate logged for a step is the one the optimizer used.
+
+    :returns: A ``torch.optim.lr_scheduler.LRScheduler`` (its ``state_dict`` is checkpointed).
     """
 
 
 @hookspec(firstresult=True)
-def build_dataloader(config, tokenizer, dp_rank, dp_size, plugin_config, plan):
+def build_dataloader(config: DictConfig, tokenizer: Any, dp_rank: int, dp_size: int, plugin_config: DictConfig,
+                     plan: Plan) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Build the training batches for this data-parallel rank.
 
-    Returns an iterator of ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows of
-    ``seq_len`` tokens) with ``state_dict()``/``load_state_dict()`` for exact resume, and optionally
-    ``metrics()``, a dict of numbers for the log. The core makes its batches ahead on a thread
-    (``data.prefetch``) and saves its position as of the batches taken, so ``state_dict()`` is called after
-    each batch and must return a snapshot, not a live view. The core's default reads prepared token shards
-    (``data.source=tokens``: this rank's rows only) or packs documents into one global stream.
+    Runs once per worker; the one enabled plugin implementing it answers, else the core's loader (prepared
+    token shards, or documents packed into one global stream). The core makes batches ahead on a thread
+    (``data.prefetch``) and saves its position as of the batches taken.
+
+    :param tokenizer: The run's tokenizer (``vocab_size``, ``bos_id``, ``eos_id``, ``encode``).
+    :param dp_rank: This rank's index among the data-parallel ranks.
+    :param dp_size: The number of data-parallel ranks.
+    :returns: An iterator of ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows of
+        ``seq_len`` tokens) with ``state_dict()`` (a snapshot, called after each batch) and
+        ``load_state_dict()`` for exact resume, and optionally ``metrics()``, a dict of numbers for the log.
     """
 
 
@@ -207,70 +286,127 @@ def build_dataloader(config, tokenizer, dp_rank, dp_size, plugin_config, plan):
 
 
 @hookspec
-def batch_context(inputs, labels, model_kwargs, model_parts, mesh, config, plugin_config, plan):
-    """Return a context manager to enter around forward and backward of one micro-batch, or None.
+def batch_context(inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict[str, torch.Tensor],
+                  micro_batch: int, micro_batches: int, model_parts: list[nn.Module], mesh: ParallelMesh,
+                  config: DictConfig, plugin_config: DictConfig,
+                  plan: Plan) -> contextlib.AbstractContextManager | None:
+    """A context to enter around forward and backward of one micro-batch.
 
-    Called per micro-batch in every plugin that implements it. A context may reshard the batch
-    tensors in place (context parallel: the inputs, the labels and the per-token ``model_kwargs``
-    alike) or change how ops dispatch (loss parallel, document attention).
+    Runs per micro-batch (training and validation), in every plugin implementing it, in plan order; the
+    contexts are entered in that order and left in reverse. A context may reshard the batch tensors in place
+    (context parallel: the inputs, the labels and the per-token ``model_kwargs`` alike), change how ops
+    dispatch (loss parallel, document attention), or decide what backward does on this micro-batch (FSDP
+    skips its gradient reduction on all but the last).
+
+    :param micro_batch: This micro-batch's index in the step, from 0.
+    :param micro_batches: The step's micro-batches (``training.grad_accum_steps``).
+    :returns: A context manager, or None.
     """
 
 
 @hookspec
-def after_optimizer_step(model_parts, optimizer, config, step, plugin_config, plan):
-    """Event: ``optimizer`` has just updated the weights of ``step``; returns nothing.
+def after_backward(model_parts: list[nn.Module], mesh: ParallelMesh, step: int, config: DictConfig,
+                   plugin_config: DictConfig, plan: Plan) -> None:
+    """Event: the last backward of ``step`` is done; every gradient of this rank is accumulated, none is
+    clipped yet.
 
-    For work that must follow every weight update, such as precomputing float8 scales.
+    Runs once per step on every rank, in plan order, before the gradient norm and clipping: where a plugin
+    that defines a data-parallel dimension averages the gradients over it (under a pipeline too: every
+    stage's backward has run), or inspects or changes gradients.
     """
 
 
 @hookspec
-def step_metrics(model_parts, step, config, plugin_config, plan):
-    """Query: called on every rank at each step that is logged, after the optimizer step; returns a dict of
-    extra metric names to numbers logged with that step (console line, metrics.jsonl, TensorBoard), or None.
+def after_optimizer_step(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, config: DictConfig,
+                         step: int, plugin_config: DictConfig, plan: Plan) -> None:
+    """Event: ``optimizer`` has just updated the weights of ``step`` (and the learning rate was stepped).
 
-    Every rank calls it at the same steps in the same plugin order, so it may use collectives; the values
-    rank 0 returns are the ones logged. For what the model or a plugin measured since the last logged
-    step (the routers' load over the experts).
+    Runs once per step on every rank, in plan order: for work that must follow every weight update, such as
+    precomputing float8 scales.
     """
 
 
 @hookspec
-def on_step_end(step, metrics, config, plugin_config, plan):
-    """Event: ``step`` has finished; ``metrics`` is a dict of the values logged for it, on every rank.
+def step_metrics(model_parts: list[nn.Module], mesh: ParallelMesh, step: int, config: DictConfig,
+                 plugin_config: DictConfig, plan: Plan) -> dict[str, float] | None:
+    """Query: extra numbers to log with ``step``.
 
-    ``metrics`` is empty on steps that were not logged. Returns nothing.
+    Runs on every rank at each logged step, after the optimizer step, in plan order: every rank calls it at
+    the same steps in the same order, so it may use collectives (over ``mesh``'s groups). The values rank 0
+    returns are logged (console line, metrics.jsonl, TensorBoard); the dicts of all plugins are merged.
+
+    :returns: Metric names to numbers, or None.
+    """
+
+
+@hookspec
+def on_step_end(step: int, metrics: dict[str, float], config: DictConfig, plugin_config: DictConfig,
+                plan: Plan) -> None:
+    """Event: ``step`` has finished.
+
+    Runs once per step on every rank, in plan order, after the step's metrics and before its checkpoint hook.
+
+    :param metrics: The values logged for the step (empty on steps that were not logged).
     """
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoints.
+# Checkpoints, the end of a run, and failures.
 
 
 @hookspec(firstresult=True)
-def load_checkpoint(state, config, run_dir, plugin_config, plan):
-    """Restore ``state`` (a :class:`titan_core.train.TrainState`) in place before the first step.
+def load_checkpoint(state: TrainState, config: DictConfig, run_dir: Path, plugin_config: DictConfig,
+                    plan: Plan) -> int | None:
+    """Restore ``state`` in place before the first step.
 
-    Called once per worker after everything is built; ``run_dir`` is the job's run dir, the same on
-    every rank and across restarts of the world. Returns the step it restored (0 for weights
-    only), or None to start from scratch. No default: without a checkpoint plugin every run starts
-    fresh.
+    Runs once per worker after everything is built; no default: without a checkpoint plugin every run starts
+    fresh. A checkpointing plugin also restores ``state.plugins``' states (:class:`titan_core.Stateful`).
+
+    :param state: The :class:`titan_core.TrainState` to fill.
+    :param run_dir: The job's run dir, the same on every rank and across restarts of the world.
+    :returns: The step it restored (0 for weights only), or None to start from scratch.
     """
 
 
 @hookspec(firstresult=True)
-def save_checkpoint(state, step, config, final, check_finite, plugin_config, plan):
+def save_checkpoint(state: TrainState, step: int, config: DictConfig, final: bool, preempted: bool,
+                    check_finite: Callable[[], None], plugin_config: DictConfig, plan: Plan) -> Path | None:
     """Save ``state`` after ``step``'s optimizer step, if this plugin's policy says so.
 
-    Called on every rank after each step but the last with ``final=False``, then once after the loop
-    with ``final=True`` (also when no step ran: ``training.steps=0`` writes the initial weights).
-    Before writing, call ``check_finite()``: the core keeps whether every step's loss and gradients were
-    finite on the device and asks (a host sync) only on logged steps, so a step that is not logged may have
-    updated the weights with NaN; it raises ``FloatingPointError`` then, and nothing must be written.
-    Returns the path written (or being written in the background), or None when nothing was saved.
+    Runs on every rank after each step but the last with ``final=False``, once after the loop with
+    ``final=True`` (also when no step ran: ``training.steps=0`` writes the initial weights), and, when the
+    run is stopped by SIGTERM or SIGINT, once after the step it finished with ``preempted=True``: then the whole
+    training state must be written before returning, whatever the policy, so that running the same command
+    again resumes there.
+
+    :param check_finite: Call it before writing: the core keeps whether every step's loss and gradients were
+        finite on the device and asks (a host sync) only on logged steps, so a step that is not logged may
+        have updated the weights with NaN; it raises ``FloatingPointError`` then, and nothing must be written.
+    :returns: The path written (or being written in the background), or None when nothing was saved.
     """
 
 
 @hookspec
-def on_train_end(state, config, plugin_config, plan):
-    """Event: the last step has run and its checkpoint hook returned; returns nothing."""
+def on_train_end(state: TrainState, preempted: bool, config: DictConfig, plugin_config: DictConfig,
+                 plan: Plan) -> None:
+    """Event: training ended and its last checkpoint hook returned.
+
+    Runs once per worker, on every rank, in plan order; not after a failure (``on_error`` runs then).
+
+    :param preempted: True when a signal stopped the run before ``training.steps`` (its state was saved if a
+        checkpoint plugin is on); False when every step ran.
+    """
+
+
+@hookspec
+def on_error(error: BaseException, step: int, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
+    """Event: the run failed on this rank with ``error``; it is about to exit with one line.
+
+    Runs on the failing rank only, in plan order, once the plan exists (a job refused before launch never
+    gets here): for what must still happen on the way out (finishing a save in flight, marking a tracked run
+    failed). An error raised here is logged and does not replace ``error``; do not wait on other ranks
+    longer than ``launch.hang_timeout_s``.
+
+    :param error: What failed (a collective timeout, a NaN loss, a plugin's own exception, ...).
+    :param step: The step the run was in when it failed (0 before the first began).
+    """

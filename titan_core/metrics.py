@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_core.planning.hardware import by_device_name
+from titan_core.planner.hardware import by_device_name, measured_matmul_tflops
 
 log = logging.getLogger("titan_core")
 
 
 def peak_tflops(configured: float | None, device: torch.device) -> tuple[float | None, str]:
-    """Peak TFLOPS of one device and where the figure comes from (titan_core.planning.hardware on GPUs)."""
+    """Peak TFLOPS of one device and where the figure comes from (titan_core.planner.hardware on GPUs)."""
     if configured:
         return float(configured), "configured"
     if device.type == "cuda":
@@ -34,16 +34,6 @@ def peak_tflops(configured: float | None, device: torch.device) -> tuple[float |
             return None, f"unknown accelerator '{name}', so no MFU: set metrics.peak_tflops to its dense bf16 peak"
         return profile.bf16_tflops, f"{name}: {profile.name} dense bf16 datasheet"
     return measured_matmul_tflops(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
-
-
-def measured_matmul_tflops(size: int = 1024, seconds: float = 0.3) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)  # warm-up: first call pays for thread pool start-up
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        runs += 1
-    return 2 * size**3 * runs / (time.perf_counter() - start) / 1e12
 
 
 def global_means(values: list[torch.Tensor | None], device: torch.device) -> list[float]:

@@ -29,7 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
+from titan_core.data import load_tokenizer
+from titan_core.errors import ConfigError
+from titan_core.initialization import init_weights
+from titan_core.launch.checks import prepare
+from titan_core.launch.cluster import job_nodes
+from titan_core.launch.command_line import check_command_line, composed
+from titan_core.plugins import Registry
+
+__all__ = ["TINY", "LOSS_TOL", "PARAM_TOL", "FLOAT8_LOSS_TOL", "FLOAT8_PARAM_TOL", "CONFORMANCE", "Case", "JobResult",
+           "ParityReport", "built_model", "compare", "compose", "config_error", "error_line", "init_weights",
+           "install_plugins", "merged", "model_conformance", "run_job", "titan_parity", "titan_reference"]
 # A model and batch small enough that four processes run five steps in seconds on two cores.
 TINY = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8",
         "training.steps=5", "optimizer.lr=1e-3", "optimizer.weight_decay=0.0", "lr_scheduler.warmup_steps=1",
@@ -57,8 +69,6 @@ class JobResult:
 
     def final_weights(self) -> dict:
         """Full parameters gathered by every rank, merged; ranks holding the same tensor must agree."""
-        import torch
-
         merged: dict = {}
         for file in sorted((self.run_dir / "final_weights").glob("rank*.pt")):
             for name, tensor in torch.load(file, weights_only=True).items():
@@ -96,21 +106,26 @@ def run_job(overrides, run_dir: Path, *, expect_success: bool = True, env: dict 
 
 def compose(*overrides: str):
     """The job config of ``overrides`` as the launcher composes it, in this process."""
-    from hydra import compose as hydra_compose, initialize_config_module
+    return composed(list(overrides), checked=False)
 
-    import titan_core.run  # noqa: F401  (registers the plugins' config search path with Hydra)
 
-    with initialize_config_module("titan_core.conf", version_base=None):
-        return hydra_compose("config", overrides=list(overrides))
+def built_model(*overrides: str, seed: int = 0) -> torch.nn.Module:
+    """The model ``overrides`` select (``model=<preset>``, ``model.<option>=...``), built by its model plugin and
+    initialized as a one-process run initializes it, on the CPU, in this process: ``built_model("model=tiny")(tokens)``
+    gives its logits for ``tokens`` (batch, seq), a (batch, seq, vocabulary) tensor."""
+    config = compose(*overrides)
+    registry = Registry(config, model_only=True)
+    description = registry.describe_model(config, load_tokenizer(config.tokenizer).vocab_size)
+    with torch.device("meta"):
+        model = registry.call(registry.model, "build_model", description=description)
+    model.to_empty(device="cpu")
+    init_weights(model, description, seed)
+    return model
 
 
 def config_error(*overrides: str):
     """The ConfigError the launcher refuses ``overrides`` with, found its way in this process (no worker, no
     subprocess: a table of bad values costs milliseconds per row)."""
-    from titan_core.cluster import job_nodes
-    from titan_core.errors import ConfigError
-    from titan_core.run import check_command_line, prepare
-
     with pytest.raises(ConfigError) as error:
         check_command_line(list(overrides))
         prepare(compose(*overrides), job_nodes())
@@ -125,9 +140,11 @@ def error_line(result: JobResult) -> str:
 
 
 def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distribution: str = "test-plugins",
-                    models: dict[str, tuple[str, dict[str, str]]] | None = None) -> dict:
+                    models: dict[str, tuple[str, dict[str, str]]] | None = None,
+                    plugin_objects: dict[str, str] | None = None) -> dict:
     """Install throwaway plugins for a test: ``{name: (module_source, options_yaml)}`` as one distribution,
-    and model plugins ``{name: (module_source, {preset: preset_yaml})}`` beside them.
+    and model plugins ``{name: (module_source, {preset: preset_yaml})}`` beside them. ``plugin_objects`` names,
+    for a plugin or model, the class (or factory) in its module that the entry point names instead of the module.
 
     Writes dist-info metadata with the entry points, one module per plugin and its option or preset files
     into the folder ``site``; returns the environment that puts them on the path of a ``run_job``.
@@ -148,7 +165,8 @@ def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distributio
         (conf.parent / "__init__.py").write_text("")
         for file, body in files.items():
             (conf / f"{file}.yaml").write_text(textwrap.dedent(body))
-        points["titan_core.plugins" if group == "plugins" else "titan_core.models"].append(f"{name} = {module}")
+        target = f"{module}:{plugin_objects[name]}" if name in (plugin_objects or {}) else module
+        points["titan_core.plugins" if group == "plugins" else "titan_core.models"].append(f"{name} = {target}")
         points["titan_core.conf"].append(f"{name} = {module}_conf")
     (dist / "entry_points.txt").write_text("".join(f"[{group}]\n" + "".join(f"{line}\n" for line in lines) + "\n"
                                                    for group, lines in points.items() if lines))

@@ -1,107 +1,39 @@
-"""The worker: build the model through the plugins' hooks, then run the training loop.
+"""The training loop: build the model through the plugins' hooks, then train it step by step.
 
-Runs in every rank: in the launching process itself for a single-process job, in the workers that
-the launcher starts, or in each rank of a torchrun job.
+Runs in every rank (``titan_core.launch.worker`` sets the rank up): in the launching process itself for a
+single-process job, in the workers that the launcher starts, or in each rank of a torchrun job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
 import os
+import signal
 import sys
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from titan_core.attention import document_ids
-from titan_core.data import Prefetcher, shared_tokenizer, validation_batches
-from titan_core.errors import ConfigError
 from titan_core import objective
-from titan_core.mesh import ParallelMesh, cpu_threads, device_for_rank, set_collective_timeout
+from titan_core.attention import document_ids
+from titan_core.data import Prefetcher, validation_batches
+from titan_core.errors import ConfigError
+from titan_core.initialization import init_weights
+from titan_core.mesh import ParallelMesh, set_collective_timeout
 from titan_core.metrics import MetricsLogger, global_means
-from titan_core.init import init_weights
-from titan_core.plan import Hooks, build_plan, plugin_manager
+from titan_core.plan import PP
+from titan_core.plugins import Hooks
+from titan_core.preemption import StopSignals
 from titan_core.profiling import StepProfiler
+from titan_core.train_state import TrainState
 
 log = logging.getLogger("titan_core")
-
-
-@dataclass
-class TrainState:
-    """Everything a checkpoint must hold to resume exactly; plugins read and restore it in place."""
-
-    model_parts: list[torch.nn.Module]
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
-    dataloader: object
-    step: int = 0
-
-
-def worker_main(config_yaml: str, run_dir: str) -> None:
-    """Entry point of a launched worker (module-level so that spawned interpreters can import it)."""
-    train(OmegaConf.create(config_yaml), Path(run_dir))
-    # At exit the interpreter collects and frees every object torch made (~1 s a process here); frozen ones
-    # are left to the OS.
-    gc.freeze()
-
-
-def train(config, run_dir: Path) -> None:
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), config.launch.device)
-    _configure_logging(run_dir, rank)
-    if device.type == "cpu" and (threads := cpu_threads(config.launch, world_size)):
-        torch.set_num_threads(threads)
-    backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, store=_rendezvous_store(rank, world_size), rank=rank, world_size=world_size,
-                            device_id=device if device.type == "cuda" else None,
-                            timeout=timedelta(seconds=config.launch.init_timeout_s))
-    try:
-        pm = plugin_manager(config)
-        tokenizer = shared_tokenizer(config.tokenizer)
-        plan = build_plan(config, pm, world_size, tokenizer.vocab_size, validate=False)  # the launcher validated
-        _train(config, run_dir, Hooks(pm, plan, config), tokenizer, device, rank)
-    except (ConfigError, FloatingPointError) as error:
-        # Bad input found only once the model exists, or a diverged run: one line, not a traceback.
-        kind, code = ("error", 2) if isinstance(error, ConfigError) else ("stopped", 1)
-        log.error("%s", error)
-        print(f"titan-core: {kind}: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(code) from None
-    except Exception as error:
-        # The traceback goes to this rank's log; the console gets one line, with the likely cause of a timeout.
-        log.exception("rank %d failed", rank)
-        message = str(error).lower()
-        hint = (f" (a collective waited past its timeout, launch.hang_timeout_s={config.launch.hang_timeout_s}: "
-                "another rank stopped responding, or died)" if "timed out" in message else
-                " (another rank ended first: its own line says why)" if "connection closed" in message else "")
-        print(f"titan-core: rank {rank} failed: {type(error).__name__}: {str(error).strip().splitlines()[-1]}{hint}; "
-              f"traceback in {run_dir / 'logs' / f'rank{rank}.log'}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    finally:
-        dist.destroy_process_group()
-
-
-def _rendezvous_store(rank: int, world_size: int) -> dist.Store:
-    """The store the ranks meet in: one per attempt of the world.
-
-    torchelastic's agent keeps one store across restarts of the world and hands it to every attempt
-    unprefixed, so a restarted gloo group would read the dead attempt's addresses and connect to dead
-    peers ("Connection refused"); each attempt gets its own key prefix here.
-    """
-    if "MASTER_ADDR" not in os.environ:  # a single process started without a launcher: a one-rank world
-        return dist.HashStore()
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts)
-    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.device) -> list[torch.nn.Module]:
@@ -110,7 +42,7 @@ def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.de
     plan = hooks.plan
     with torch.device("meta"):
         model = hooks.first("build_model", description=plan.model)
-    hooks.each("convert_float8", model=model, config=config)
+    hooks.each("convert_modules", model=model, config=config)
     model_parts = [model]
     for plugin in plan.plugins:
         if plugin.declaration.stage is not None:
@@ -124,110 +56,156 @@ def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.de
     return model_parts
 
 
-def _train(config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device, rank: int) -> None:
-    training, plan = config.training, hooks.plan
-    torch.manual_seed(training.seed)
-    if training.deterministic:
-        torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
-    set_collective_timeout(config.launch.init_timeout_s)
+class TrainingStep:
+    """One optimizer step of this rank: each micro-batch's forward and backward inside the plugins' batch
+    contexts, the gradient event, clipping, the optimizer and learning-rate steps.
 
-    model_parts = build_model_parts(hooks, mesh, config, device)
-    local_params = sum(_local(p).numel() for part in model_parts for p in part.parameters())
-    log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
-             rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
+    Also the validation pass (the schedule's ``evaluate`` in the same contexts, without backward).
+    """
 
-    loss_fn = cross_entropy_loss
-    for name in hooks.order:
-        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
-    schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
-    objective.set_loss_weight(getattr(schedule, "loss_weight", 1 / training.grad_accum_steps))
-    optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
-    lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
-    dp_rank = mesh.local_rank(*plan.data_parallel_dims)
-    loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=plan.dp_size)
-    dataloader = Prefetcher(loader, config.data.prefetch, pin=device.type == "cuda")
-    state = TrainState(model_parts, optimizer, lr_scheduler, dataloader)
-    state.step = hooks.first("load_checkpoint", state=state, config=config, run_dir=run_dir) or 0
+    def __init__(self, hooks: Hooks, mesh: ParallelMesh, config, model_parts: list[torch.nn.Module], schedule,
+                 optimizer: torch.optim.Optimizer, lr_scheduler, device: torch.device, bos_id: int):
+        self.hooks, self.mesh, self.config, self.model_parts = hooks, mesh, config, model_parts
+        self.schedule, self.optimizer, self.lr_scheduler = schedule, optimizer, lr_scheduler
+        self.device, self.bos_id = device, bos_id
 
-    def each_micro_batch(schedule_pass, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, step: int, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """Train on one local batch; returns this rank's mean loss (None without the loss), the gradient
+        norm, both on the device, and the learning rate the optimizer used."""
+        self.optimizer.zero_grad()
+        loss = local_mean(self.each_micro_batch(self.schedule.run, inputs, labels))
+        self.hooks.each("after_backward", model_parts=self.model_parts, mesh=self.mesh, step=step, config=self.config)
+        grad_norm = clip_grad_norm_(self.model_parts, self.config.training.max_norm, self.mesh)
+        self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]  # what this step used, whoever set it
+        self.lr_scheduler.step()
+        self.hooks.each("after_optimizer_step", model_parts=self.model_parts, optimizer=self.optimizer,
+                        config=self.config, step=step)
+        return loss, grad_norm, lr
+
+    def each_micro_batch(self, schedule_pass, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """``schedule_pass`` (the schedule's run or evaluate) on each micro-batch of this rank's rows, inside the
         plugins' batch contexts; the losses of the ranks that compute one."""
         losses = []
-        for micro_inputs, micro_labels in zip(inputs.chunk(training.grad_accum_steps),
-                                              labels.chunk(training.grad_accum_steps)):
-            micro_inputs = micro_inputs.to(device, non_blocking=True)  # pinned by the prefetcher on CUDA
-            micro_labels = micro_labels.to(device, non_blocking=True)
-            model_kwargs = ({"document_ids": document_ids(micro_inputs, tokenizer.bos_id)}
-                            if training.attention_mask == "block_causal" else {})
+        count = self.config.training.grad_accum_steps
+        for index, (micro_inputs, micro_labels) in enumerate(zip(inputs.chunk(count), labels.chunk(count))):
+            micro_inputs = micro_inputs.to(self.device, non_blocking=True)  # pinned by the prefetcher on CUDA
+            micro_labels = micro_labels.to(self.device, non_blocking=True)
+            model_kwargs = ({"document_ids": document_ids(micro_inputs, self.bos_id)}
+                            if self.config.training.attention_mask == "block_causal" else {})
             with contextlib.ExitStack() as contexts:
-                for context in hooks.each("batch_context", inputs=micro_inputs, labels=micro_labels,
-                                          model_kwargs=model_kwargs, model_parts=model_parts, mesh=mesh,
-                                          config=config):
+                for context in self.hooks.each("batch_context", inputs=micro_inputs, labels=micro_labels,
+                                               model_kwargs=model_kwargs, micro_batch=index, micro_batches=count,
+                                               model_parts=self.model_parts, mesh=self.mesh, config=self.config):
                     contexts.enter_context(context)
                 loss = schedule_pass(micro_inputs, micro_labels, model_kwargs)
             if loss is not None:
                 losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
         return losses
 
-    validation = validation_batches(config, tokenizer, dp_rank, plan.dp_size)
-    if validation and not callable(getattr(schedule, "evaluate", None)):
-        raise ConfigError("validation.every", f"the schedule {type(schedule).__name__} (from a plugin's "
-                          "build_schedule) has no evaluate(inputs, labels, model_kwargs)",
-                          "set validation.every=0, or add evaluate to the schedule (docs/writing-plugins.md)")
-
-    def validate() -> dict:
+    def validate(self, batches) -> dict:
         """Mean loss over the validation batches (copies: a batch context may split its tensors in place)."""
         with torch.no_grad():
-            losses = [loss for inputs, labels in validation
-                      for loss in each_micro_batch(schedule.evaluate, inputs.clone(), labels.clone())]
-        (loss,) = global_means([local_mean(losses)], device)
+            losses = [loss for inputs, labels in batches
+                      for loss in self.each_micro_batch(self.schedule.evaluate, inputs.clone(), labels.clone())]
+        (loss,) = global_means([local_mean(losses)], self.device)
         return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 700.0))}
 
-    finite = FiniteWatch(device)
-    metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
-                            plan.model.flops_per_token(training.seq_len), first_step=state.step)
-    profiler = StepProfiler(list(config.metrics.profile_steps), run_dir, rank, device)
-    first_step = state.step + 1
-    while state.step < training.steps:
-        state.step += 1
-        profiler.step_begins(state.step)
-        inputs, labels = next(dataloader)
-        optimizer.zero_grad()
-        loss = local_mean(each_micro_batch(schedule.run, inputs, labels))
-        grad_norm = clip_grad_norm_(model_parts, training.max_norm, mesh)
-        finite.record(state.step, loss, grad_norm)
-        optimizer.step()
-        lr = optimizer.param_groups[0]["lr"]  # what this step used, whoever set it
-        lr_scheduler.step()
-        hooks.each("after_optimizer_step", model_parts=model_parts, optimizer=optimizer, config=config,
-                   step=state.step)
-        metrics.record(state.step, loss)
-        logged = {}
-        if metrics.logs(state.step):  # the only host syncs of a step: the values logged
-            finite.check()
-            extra = validate() if validation and metrics.validates(state.step) else {}
-            extra.update(dataloader.metrics())
-            for answer in hooks.each("step_metrics", model_parts=model_parts, step=state.step, config=config):
-                extra.update(answer)
-            logged = metrics.log(state.step, grad_norm.item(), lr, extra)
-        profiler.step_ended(state.step, model_parts, optimizer)
-        hooks.each("on_step_end", step=state.step, metrics=logged, config=config)
-        if state.step == first_step:  # compiled and warmed up: from now on a long wait means a hung rank
-            set_collective_timeout(config.launch.hang_timeout_s)
-        if state.step < training.steps:
-            hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False,
-                        check_finite=finite.check)
-    profiler.stop()
-    dataloader.close()
-    finite.check()
-    hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True, check_finite=finite.check)
-    metrics.close()
-    log.info("finished step %d", state.step)
-    hooks.each("on_train_end", state=state, config=config)
-    if config.testing.save_final_weights:
-        save_full_weights(model_parts, run_dir / "final_weights" / f"rank{rank}.pt")
+
+class Trainer:
+    """This rank's run: everything the plugins build, then the loop over the steps."""
+
+    def __init__(self, config, run_dir: Path, hooks: Hooks, tokenizer, device: torch.device, rank: int):
+        training, plan = config.training, hooks.plan
+        self.config, self.run_dir, self.hooks, self.rank = config, run_dir, hooks, rank
+        torch.manual_seed(training.seed)
+        if training.deterministic:
+            torch.use_deterministic_algorithms(True)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
+        set_collective_timeout(config.launch.init_timeout_s)
+
+        model_parts = build_model_parts(hooks, mesh, config, device)
+        local_params = sum(_local(p).numel() for part in model_parts for p in part.parameters())
+        log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
+                 rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
+
+        loss_fn = cross_entropy_loss
+        for name in hooks.order:
+            loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
+        schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
+        self.loss_weight = getattr(schedule, "loss_weight", 1 / training.grad_accum_steps)
+        optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
+        lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
+        dp_rank = mesh.local_rank(*plan.data_parallel_dims)
+        loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
+                             dp_size=plan.dp_size)
+        dataloader = Prefetcher(loader, config.data.prefetch, pin=device.type == "cuda")
+        self.state = TrainState(model_parts, optimizer, lr_scheduler, dataloader, plugins=hooks.registry.stateful())
+        self.state.step = hooks.first("load_checkpoint", state=self.state, config=config, run_dir=run_dir) or 0
+
+        self.step = TrainingStep(hooks, mesh, config, model_parts, schedule, optimizer, lr_scheduler, device,
+                                 tokenizer.bos_id)
+        self.validation = validation_batches(config, tokenizer, dp_rank, plan.dp_size)
+        if self.validation and not callable(getattr(schedule, "evaluate", None)):
+            raise ConfigError("validation.every", f"the schedule {type(schedule).__name__} (from a plugin's "
+                              "build_schedule) has no evaluate(inputs, labels, model_kwargs)",
+                              "set validation.every=0, or add evaluate to the schedule (docs/writing-plugins.md)")
+        self.finite = FiniteWatch(device)
+        self.metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
+                                     plan.model.flops_per_token(training.seq_len), first_step=self.state.step)
+        self.profiler = StepProfiler(list(config.metrics.profile_steps), run_dir, rank, device)
+
+    def run(self, stop: StopSignals) -> signal.Signals | None:
+        """Train up to ``training.steps``; returns the signal that stopped the run earlier, or None."""
+        config, hooks, state, steps = self.config, self.hooks, self.state, self.config.training.steps
+        first_step, stopped, saved = state.step + 1, None, None
+        with objective.loss_weight(self.loss_weight):
+            while state.step < steps and stopped is None:
+                state.step += 1
+                self.profiler.step_begins(state.step)
+                inputs, labels = next(state.dataloader)
+                loss, grad_norm, lr = self.step(state.step, inputs, labels)
+                self.finite.record(state.step, loss, grad_norm)
+                self.metrics.record(state.step, loss)
+                logged = self.log(state.step, grad_norm, lr) if self.metrics.logs(state.step) else {}
+                self.profiler.step_ended(state.step, state.model_parts, state.optimizer)
+                hooks.each("on_step_end", step=state.step, metrics=logged, config=config)
+                if state.step == first_step:  # compiled and warmed up: from now on a long wait means a hung rank
+                    set_collective_timeout(config.launch.hang_timeout_s)
+                stopped = stop.agreed() if state.step < steps else None  # a stop at the last step is the end
+                if stopped is not None or state.step < steps:
+                    saved = hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False,
+                                        preempted=stopped is not None, check_finite=self.finite.check)
+        self.profiler.stop()
+        state.dataloader.close()
+        self.finite.check()
+        if stopped is None:
+            hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True, preempted=False,
+                        check_finite=self.finite.check)
+        self.metrics.close()
+        hooks.each("on_train_end", state=state, preempted=stopped is not None, config=config)
+        if stopped is not None:
+            what = f"saved {saved}" if saved is not None else "nothing saved (no checkpoint plugin)"
+            log.info("stopped by %s after step %d of %d: %s", stopped.name, state.step, steps, what)
+            if self.rank == 0:
+                print(f"titan-core: stopped by {stopped.name} after step {state.step} of {steps}: {what}; run the "
+                      "same command again to resume", file=sys.stderr, flush=True)
+            return stopped
+        log.info("finished step %d", state.step)
+        if config.testing.save_final_weights:
+            save_full_weights(state.model_parts, self.run_dir / "final_weights" / f"rank{self.rank}.pt")
+        return None
+
+    def log(self, step: int, grad_norm: torch.Tensor, lr: float) -> dict:
+        """A logged step: the only host syncs of a step (the values logged, the NaN check)."""
+        self.finite.check()
+        extra = self.step.validate(self.validation) if self.validation and self.metrics.validates(step) else {}
+        extra.update(self.state.dataloader.metrics())
+        for answer in self.hooks.each("step_metrics", model_parts=self.state.model_parts, mesh=self.step.mesh,
+                                      step=step, config=self.config):
+            extra.update(answer)
+        return self.metrics.log(step, grad_norm.item(), lr, extra)
 
 
 class FiniteWatch:
@@ -279,7 +257,7 @@ def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, 
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
     norm = torch.stack(squares).sum()
-    pp = mesh.submesh("pp")
+    pp = mesh.submesh(PP)
     if pp is not None:  # each stage holds different parameters: sum the squares over stages
         dist.all_reduce(norm, group=pp.get_group())
     norm = norm.sqrt()
@@ -291,8 +269,6 @@ def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, 
 
 def save_full_weights(model_parts: list[torch.nn.Module], path: Path) -> None:
     """Every parameter this rank holds, gathered to full tensors, in one torch file."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     weights = {}
     for part in model_parts:
         state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
@@ -301,22 +277,3 @@ def save_full_weights(model_parts: list[torch.nn.Module], path: Path) -> None:
     written = path.with_name(path.name + ".partial")  # a reader sees the whole file or none
     torch.save(weights, written)
     os.replace(written, path)
-
-
-def _configure_logging(run_dir: Path, rank: int) -> None:
-    """Every rank logs to logs/rank<r>.log in the run dir; rank 0 also to the console."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    logger = logging.getLogger("titan_core")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-        handler.close()
-    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s", "%H:%M:%S")
-    handlers = [logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")]
-    if rank == 0:
-        handlers.append(logging.StreamHandler(sys.stdout))
-        handlers[-1].addFilter(lambda record: not record.exc_info)  # tracebacks stay in the file
-    for handler in handlers:
-        handler.setFormatter(fmt)
-        logger.addHandler(handler)

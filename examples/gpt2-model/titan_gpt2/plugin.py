@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from titan_core import ConfigError, hookimpl
-from titan_core.description import SDPA_CAUSAL, ModelDescription, ParamInit, TensorParallelLayout, read_options
+from titan_core import (SDPA_CAUSAL, ConfigError, ModelDescription, ParamInit, TensorParallelLayout, hookimpl,
+                        read_options)
 from titan_gpt2.model import GPT2, GPT2Args
 
 OPTIONS = ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "layer_norm_eps")

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from titan_ac.plugin import apply_ac
-from titan_core.description import canonical_name
-from titan_core.init import init_weights
+from titan_core import canonical_name
+from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
 from titan_core.testing import TINY, error_line, run_job

@@ -15,9 +15,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import SPLIT_BACKWARD
-from titan_core.description import lacks
+from titan_core import SPLIT_BACKWARD, ConfigError, Declaration, hookimpl, lacks
 
 STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their collectives too; before compile
 MODES = ("full", "selective_op", "selective_layer")

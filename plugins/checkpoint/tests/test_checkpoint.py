@@ -322,8 +322,8 @@ def test_seed_checkpoint_into_a_sharded_plan_and_final_export(tmp_path):
               for r in (0, 1)]
     assert sum(shares) == sum(t.nbytes for t in weights.values()) and max(shares) <= 0.6 * sum(shares), shares
     from titan_checkpoint.hf import import_hf
-    from titan_core.data import load_tokenizer
-    from titan_core.plan import model_description
+    from titan_core import load_tokenizer
+    from titan_core import model_description
 
     config = OmegaConf.load(from_seed.run_dir / "config.yaml")
     _, imported = import_hf(hf, model_description(config, load_tokenizer(config.tokenizer).vocab_size).hf)
@@ -376,3 +376,16 @@ def test_unknown_part_is_refused(tmp_path):
     result = run_job([*BASE, "launch.dry_run=true", "+plugins=[checkpoint]", "plugins.checkpoint.load_parts=[model,rng]"],
                      tmp_path, expect_success=False)
     assert "plugins.checkpoint.load_parts: unknown part 'rng'" in error_line(result)
+
+
+def test_a_plugin_objects_state_is_saved_with_the_training_state(tmp_path):
+    """The Qwen3-MoE model plugin keeps its idle-expert counts on its object (titan_core.Stateful): every checkpoint
+    holds them, under plugins.<name>, read back here from the files."""
+    import torch.distributed.checkpoint as dcp
+
+    run_job([*TINY, "model=qwen3_moe_tiny", "training.steps=2", "+plugins=[checkpoint]"], tmp_path)
+    saved = {"plugins.qwen3_moe.idle": torch.full((3, 8), -1.0), "plugins.qwen3_moe.last_step": torch.tensor(-1),
+             "plugins.qwen3_moe.warned": torch.ones(3, 8, dtype=torch.bool)}
+    dcp.load(saved, checkpoint_id=str(tmp_path / "checkpoints" / "step-2"), no_dist=True)
+    assert int(saved["plugins.qwen3_moe.last_step"]) == 2  # the last logged step
+    assert saved["plugins.qwen3_moe.idle"].min() >= 0 and not saved["plugins.qwen3_moe.warned"].any()

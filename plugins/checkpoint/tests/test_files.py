@@ -46,64 +46,71 @@ def dies_after(monkeypatch):
     return arm
 
 
+@pytest.fixture
+def deletions():
+    running = files.Deletions()
+    yield running
+    running.executor.shutdown()
+
+
 # Publishing a rerun of step 3 takes four operations: old -> .replaced, .partial -> step-3, .replaced ->
 # .removed-<id>, and deleting that (on the deleting thread).
 @pytest.mark.parametrize("killed_at, survivor", [(0, "old"), (1, "new"), (2, "new"), (3, "new"), (None, "new")])
 def test_a_save_killed_at_any_step_of_the_swap_leaves_one_complete_checkpoint(tmp_path, monkeypatch, dies_after,
-                                                                               killed_at, survivor):
+                                                                               killed_at, survivor, deletions):
     complete = saved(tmp_path / "step-3", "old")
     partial = saved(files.partial_of(complete), "new")
     if killed_at is not None:
         dies_after(killed_at)
     try:
-        files.swap_in(partial, complete)
-        files.deletions_done()
+        files.swap_in(partial, complete, deletions)
+        deletions.done()
     except Killed:
         pass
     monkeypatch.undo()
-    files.recover(tmp_path)
-    files.deletions_done()
+    files.recover(tmp_path, deletions)
+    deletions.done()
     assert [p.name for p in tmp_path.iterdir()] == ["step-3"]
     assert content(complete) == survivor
 
 
-def test_a_first_save_killed_before_its_rename_is_published(tmp_path, dies_after, monkeypatch):
+def test_a_first_save_killed_before_its_rename_is_published(tmp_path, dies_after, monkeypatch, deletions):
     partial = saved(tmp_path / "step-5.partial", "new")
     dies_after(0)
     with pytest.raises(Killed):
-        files.swap_in(partial, tmp_path / "step-5")
+        files.swap_in(partial, tmp_path / "step-5", deletions)
     monkeypatch.undo()
     assert complete_checkpoints(tmp_path) == []  # not loadable as it stands
-    files.recover(tmp_path)
-    files.deletions_done()
+    files.recover(tmp_path, deletions)
+    deletions.done()
     assert [p.name for p in tmp_path.iterdir()] == ["step-5"] and content(tmp_path / "step-5") == "new"
 
 
-def test_an_unfinished_save_is_dropped_and_the_one_it_was_replacing_comes_back(tmp_path):
+def test_an_unfinished_save_is_dropped_and_the_one_it_was_replacing_comes_back(tmp_path, deletions):
     saved(tmp_path / "step-3.replaced", "old")
     saved(tmp_path / "step-3.partial", "new", finished=False)  # killed while the ranks wrote their shards
     saved(tmp_path / "step-6.partial", "newer", finished=False)
-    files.recover(tmp_path)
-    files.deletions_done()
+    files.recover(tmp_path, deletions)
+    deletions.done()
     assert [p.name for p in tmp_path.iterdir()] == ["step-3"] and content(tmp_path / "step-3") == "old"
 
 
 @pytest.mark.parametrize("killed_at", [0, 1])
-def test_a_checkpoint_being_deleted_never_looks_complete(tmp_path, dies_after, monkeypatch, killed_at):
+def test_a_checkpoint_being_deleted_never_looks_complete(tmp_path, dies_after, monkeypatch, killed_at, deletions):
     old = saved(tmp_path / "step-1", "old")
     saved(tmp_path / "step-2", "kept")
     dies_after(killed_at)
     if killed_at == 0:
         with pytest.raises(Killed):
-            files.delete_in_background(old)
+            deletions.delete(old)
     else:  # renamed, then the deletion died on its thread: a warning, and the rest goes at the next start
-        files.delete_in_background(old)
-        files.deletions_done()
+        deletions.delete(old)
+        deletions.done()
     monkeypatch.undo()
     expected = [1, 2] if killed_at == 0 else [2]  # before the rename it is whole, after it is never listed
     assert [step for step, _ in complete_checkpoints(tmp_path)] == expected
-    files.recover(tmp_path)
-    files.deletions_done()
+    files.recover(tmp_path, deletions)
+    deletions.done()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step}" for step in expected]
 
 
@@ -122,11 +129,11 @@ def test_a_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     assert torch.equal(torch.load(target)["w"], torch.ones(2))
 
 
-def test_a_long_run_keeps_only_the_deletions_under_way(tmp_path):
+def test_a_long_run_keeps_only_the_deletions_under_way(tmp_path, deletions):
     # One deletion per save over a whole run: the finished ones are let go as new ones start.
     for step in range(5):
-        files.delete_in_background(saved(tmp_path / f"step-{step}", "old"))
-        files._deletions[-1].result()
-    assert len(files._deletions) == 1
-    files.deletions_done()
-    assert files._deletions == [] and list(tmp_path.iterdir()) == []
+        deletions.delete(saved(tmp_path / f"step-{step}", "old"))
+        deletions.under_way[-1].result()
+    assert len(deletions.under_way) == 1
+    deletions.done()
+    assert deletions.under_way == [] and list(tmp_path.iterdir()) == []

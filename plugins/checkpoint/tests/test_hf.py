@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from titan_core import ConfigError
-from titan_core.init import init_weights
+from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe, llama_args
 from titan_checkpoint.hf import export_hf, hf_shapes, import_hf

@@ -20,12 +20,9 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from safetensors.torch import save_file as save_safetensors
 
-from titan_core import ConfigError
-from titan_core.data import load_tokenizer, tokenizer_file
-from titan_core.description import HFAdapter, ModelDescription, lacks
-from titan_core.options import FLOAT_DTYPES
-from titan_core.plan import model_description
-from titan_checkpoint.files import partial_of, save_file, swap_in
+from titan_core import (FLOAT_DTYPES, ConfigError, HFAdapter, ModelDescription, lacks, load_tokenizer,
+                        model_description, tokenizer_file)
+from titan_checkpoint.files import Deletions, partial_of, save_file, swap_in
 from titan_checkpoint.hf import file_names, write_hf_index
 from titan_checkpoint.state import allocate, read_metadata
 
@@ -105,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             shutil.rmtree(partial_of(args.output), ignore_errors=True)
             export_hf_from_checkpoint(args.checkpoint, partial_of(args.output), dtype, OmegaConf.load(config_path))
-            swap_in(partial_of(args.output), args.output)
+            deletions = Deletions()
+            swap_in(partial_of(args.output), args.output, deletions)
+            deletions.close()
         except ConfigError as error:
             sys.exit(f"titan-checkpoint: error: {error}")
     print(f"wrote {args.output}")

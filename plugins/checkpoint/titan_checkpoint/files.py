@@ -40,45 +40,49 @@ def partial_of(folder: Path) -> Path:
     return folder.with_name(folder.name + PARTIAL)
 
 
-def swap_in(partial: Path, complete: Path) -> None:
+def swap_in(partial: Path, complete: Path, deletions: Deletions) -> None:
     """Make the finished folder ``partial`` visible as ``complete``; the one it replaces goes only after."""
     replaced = complete.with_name(complete.name + REPLACED)
     if complete.exists():
         complete.rename(replaced)
     partial.rename(complete)
     if replaced.exists():
-        delete_in_background(replaced)
+        deletions.delete(replaced)
 
 
-_deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-checkpoint-delete")
-_deletions: list[Future] = []
+class Deletions:
+    """Folders deleted on a background thread of a run's own; the run waits for them before it ends."""
+
+    def __init__(self):
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-checkpoint-delete")
+        self.under_way: list[Future] = []
+
+    def delete(self, folder: Path) -> None:
+        """Rename ``folder`` out of every listing now and delete it on the deleting thread."""
+        doomed = folder.with_name(f"{folder.name}{REMOVED}-{uuid.uuid4().hex[:8]}")
+        folder.rename(doomed)
+        self.later(doomed)
+
+    def later(self, folder: Path) -> None:
+        self._settle(waiting=False)  # the list holds the deletions under way only, however long the run
+        self.under_way.append(self.executor.submit(shutil.rmtree, folder))
+
+    def done(self) -> None:
+        """Wait for the deletions under way; one that failed is a warning (its leftover goes at the next start)."""
+        self._settle(waiting=True)
+
+    def close(self) -> None:
+        self.done()
+        self.executor.shutdown()
+
+    def _settle(self, waiting: bool) -> None:
+        for deletion in [d for d in self.under_way if waiting or d.done()]:
+            self.under_way.remove(deletion)
+            if deletion.exception() is not None:
+                log.warning("could not delete an old checkpoint: %s", deletion.exception())
 
 
-def delete_in_background(folder: Path) -> None:
-    """Rename ``folder`` out of every listing now and delete it on the deleting thread."""
-    doomed = folder.with_name(f"{folder.name}{REMOVED}-{uuid.uuid4().hex[:8]}")
-    folder.rename(doomed)
-    _delete_later(doomed)
-
-
-def _delete_later(folder: Path) -> None:
-    _settle(waiting=False)  # the list holds the deletions under way only, however long the run
-    _deletions.append(_deleter.submit(shutil.rmtree, folder))
-
-
-def deletions_done() -> None:
-    """Wait for the deletions under way; one that failed is a warning (its leftover goes at the next start)."""
-    _settle(waiting=True)
-
-
-def _settle(waiting: bool) -> None:
-    for deletion in [d for d in _deletions if waiting or d.done()]:
-        _deletions.remove(deletion)
-        if deletion.exception() is not None:
-            log.warning("could not delete an old checkpoint: %s", deletion.exception())
-
-
-def recover(folder: Path) -> None:
+def recover(folder: Path, deletions: Deletions) -> None:
     """Settle what saves interrupted in ``folder`` left: a finished save is published (unless its name is
     taken), the folder it was replacing comes back if it was not finished, the rest is deleted."""
     for leftover in sorted(folder.glob(f"*{REPLACED}")):
@@ -87,7 +91,7 @@ def recover(folder: Path) -> None:
             leftover.rename(complete)
             log.warning("restored %s: the save replacing it did not finish", complete)
         else:
-            delete_in_background(leftover)
+            deletions.delete(leftover)
     for leftover in sorted(folder.glob(f"*{PARTIAL}")):
         complete = leftover.with_name(leftover.name.removesuffix(PARTIAL))
         if finished(leftover) and not complete.exists():
@@ -95,9 +99,9 @@ def recover(folder: Path) -> None:
             log.warning("published %s: its save finished but was not renamed", complete)
         else:
             log.info("removing %s, an incomplete save of an earlier attempt", leftover)
-            delete_in_background(leftover)
+            deletions.delete(leftover)
     for leftover in folder.glob(f"*{REMOVED}*"):  # a deletion the process died in the middle of
-        _delete_later(leftover)
+        deletions.later(leftover)
 
 
 def save_file(tensors: dict, path: Path) -> None:

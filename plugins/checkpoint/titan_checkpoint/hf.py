@@ -17,9 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_core import ConfigError
-from titan_core.description import HFAdapter, canonical_name
-from titan_core.init import local_box
+from titan_core import ConfigError, HFAdapter, canonical_name, local_box
 
 FIELD = "plugins.checkpoint.load_path"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -26,16 +26,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import CHECKPOINTING
-from titan_core.data import tokenizer_file
-from titan_core.description import lacks
-from titan_core.mesh import device_kind
-from titan_core.options import FLOAT_DTYPES, float_dtype
-from titan_core.plan import build_meta_model
+from titan_core import (CHECKPOINTING, FLOAT_DTYPES, ConfigError, Declaration, build_meta_model, device_kind,
+                        float_dtype, hookimpl, lacks, tokenizer_file)
 from titan_checkpoint.convert import write_hf_share
-from titan_checkpoint.files import (damaged_files, delete_in_background, deletions_done, partial_of, record_checksums,
-                                   recover, swap_in)
+from titan_checkpoint.files import Deletions, damaged_files, partial_of, record_checksums, recover, swap_in
 from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config, write_hf_index
 from titan_checkpoint.state import (PARTS, SharedMetadataReader, check_loadable, check_model_matches, dcp_shapes,
                                     load_training_state, model_tensors, training_tensors)
@@ -44,13 +38,8 @@ log = logging.getLogger("titan_core")
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
-@hookimpl
-def declare():
-    return Declaration(provides=frozenset({CHECKPOINTING}))
-
-
-@hookimpl
-def validate(config, plugin_config, plan):
+def validate_options(config, plugin_config, plan) -> None:
+    """Every option, and the checkpoint or Hugging Face folder ``load_path`` names against the model."""
     for field, least in (("interval", 0), ("keep_latest_k", 0)):
         value = plugin_config[field]
         if value < least:
@@ -122,12 +111,13 @@ class Checkpointer:
                        AsyncCheckpointerType.THREAD)
         self.pending: Future | None = None
         self.saved_step: int | None = None
+        self.deletions = Deletions()
 
     def load(self, state) -> int | None:
         candidates = [None]
         if self.rank == 0:  # rank 0 lists them, so that every rank loads the same checkpoint
             if self.folder.is_dir():
-                recover(self.folder)
+                recover(self.folder, self.deletions)
             own = complete_checkpoints(self.folder)
             if own:  # a restart or rerun of this run continues it whole, from its newest intact save
                 candidates = [[("dcp", path, tuple(PARTS)) for _, path in reversed(own)]]
@@ -164,10 +154,15 @@ class Checkpointer:
         raise ConfigError("plugins.checkpoint", f"every checkpoint to resume from is damaged (newest: {newest_damage})",
                           "restore the files from a copy, or start afresh in another run dir")
 
-    def save(self, state, step: int, final: bool, check_finite) -> Path | None:
-        if not final and (not self.options.interval or step % self.options.interval):
+    def save(self, state, step: int, final: bool, preempted: bool, check_finite) -> Path | None:
+        if not (final or preempted) and (not self.options.interval or step % self.options.interval):
             return None
         check_finite()  # weights updated by a NaN gradient are never written
+        if preempted:  # the whole state, now: the next run of the same command resumes from it
+            self.wait()
+            if self.saved_step != step:
+                return self.write(training_tensors(state), f"step-{step}", asynchronous=False)
+            return self.folder / f"step-{step}"
         if final:
             self.wait()
             if self.options.final_model_only:
@@ -189,7 +184,7 @@ class Checkpointer:
         partial = partial_of(complete)
         if self.rank == 0:
             if partial.exists():  # the same save of an attempt that died
-                delete_in_background(partial)
+                self.deletions.delete(partial)
             partial.mkdir(parents=True)
         dist.barrier()
         if asynchronous:  # returns once the tensors are copied to memory; the writing goes on in a thread
@@ -211,11 +206,11 @@ class Checkpointer:
 
     def publish(self, partial: Path, complete: Path) -> None:
         """Make a finished save visible; the one it replaces (a rerun of a step) goes only after."""
-        swap_in(partial, complete)
+        swap_in(partial, complete, self.deletions)
         log.info("checkpoint %s written", complete)
         if self.options.keep_latest_k:
             for _, old in complete_checkpoints(self.folder)[:-self.options.keep_latest_k]:
-                delete_in_background(old)
+                self.deletions.delete(old)
 
     def export_hf(self, checkpoint: Path, step: int) -> None:
         """Every rank writes its share of the weights as one safetensors file (reading only those tensors of
@@ -224,7 +219,7 @@ class Checkpointer:
         partial = partial_of(target)
         if self.rank == 0:
             if partial.exists():
-                delete_in_background(partial)
+                self.deletions.delete(partial)
             partial.mkdir(parents=True)
         dist.barrier()
         dtype = FLOAT_DTYPES[self.options.export_dtype]
@@ -236,7 +231,7 @@ class Checkpointer:
         if self.rank == 0:
             write_hf_index(partial, weight_map, total, self.description.hf, dtype,
                            tokenizer_file(self.config.tokenizer))
-            swap_in(partial, target)
+            swap_in(partial, target, self.deletions)
             log.info("Hugging Face export %s written", target)
         dist.barrier()
 
@@ -252,8 +247,16 @@ class Checkpointer:
     def wait(self) -> None:
         """Finish the save in flight, raising its error if it failed."""
         if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """Finish the save in flight and the deletions under way: the folder is then as it will stay."""
+        try:
+            self.wait()
+        finally:
+            self.stager.close()
+            self.deletions.close()
 
 
 def then(future: Future, action) -> Future:
@@ -271,28 +274,48 @@ def then(future: Future, action) -> Future:
     return done
 
 
-_checkpointer: Checkpointer | None = None
+class CheckpointPlugin:
+    """The checkpoint plugin of one run (the entry point names the class: a sweep's jobs in one process each
+    get their own), holding the run's :class:`Checkpointer` once ``load_checkpoint`` has made it."""
 
+    def __init__(self):
+        self.checkpointer: Checkpointer | None = None
 
-@hookimpl
-def load_checkpoint(state, config, run_dir, plugin_config, plan):
-    """checkpoint: resume from this run's newest complete save, else from load_path, else start fresh."""
-    global _checkpointer
-    _checkpointer = Checkpointer(plugin_config, config, Path(run_dir), plan)
-    return _checkpointer.load(state)
+    @hookimpl
+    def declare(self):
+        """checkpoint: provides checkpointing."""
+        return Declaration(provides=frozenset({CHECKPOINTING}))
 
+    @hookimpl
+    def validate(self, config, plugin_config, plan):
+        """checkpoint: check the options, and what load_path names against the model, before launch."""
+        validate_options(config, plugin_config, plan)
 
-@hookimpl
-def save_checkpoint(state, step, final, check_finite):
-    """checkpoint: save on the interval (asynchronously if asked) and at the end, then export if asked."""
-    return _checkpointer.save(state, step, final, check_finite)
+    @hookimpl
+    def load_checkpoint(self, state, config, run_dir, plugin_config, plan):
+        """checkpoint: resume from this run's newest complete save, else from load_path, else start fresh."""
+        self.checkpointer = Checkpointer(plugin_config, config, Path(run_dir), plan)
+        return self.checkpointer.load(state)
 
+    @hookimpl
+    def save_checkpoint(self, state, step, final, preempted, check_finite):
+        """checkpoint: save on the interval (asynchronously if asked), on preemption, and at the end, then
+        export if asked."""
+        return self.checkpointer.save(state, step, final, preempted, check_finite)
 
-@hookimpl
-def on_train_end():
-    """checkpoint: wait for the save in flight and the deletions under way, so that the job ends with its
-    folder as it will stay."""
-    _checkpointer.wait()
-    _checkpointer.stager.close()
-    deletions_done()
-    dist.barrier()
+    @hookimpl
+    def on_train_end(self):
+        """checkpoint: wait for the save in flight and the deletions under way, so that the job ends with its
+        folder as it will stay."""
+        self.checkpointer.close()
+        dist.barrier()
+
+    @hookimpl
+    def on_error(self, error):
+        """checkpoint: finish the save in flight, so that the state it holds is published rather than left
+        as a partial folder (it was complete before the failure)."""
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.close()
+            except Exception as failed:
+                log.warning("the save in flight when the run failed did not finish: %s", failed)

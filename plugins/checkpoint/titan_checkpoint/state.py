@@ -6,6 +6,7 @@
     dataloader.<field>       the loader's position in the data
     rng.<device>             random generator states
     step                     the last step whose update the weights hold
+    plugins.<name>.<field>   the state of each plugin object that keeps one (titan_core.Stateful)
 
 Everything is a tensor, so reading never unpickles anything, and torch.distributed.checkpoint
 reshards the DTensors to whatever plan loads them. Names are canonical (no compile or activation
@@ -21,8 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from titan_core import ConfigError
-from titan_core.description import canonical_name
+from titan_core import ConfigError, canonical_name
 
 LOAD_FIELD = "plugins.checkpoint.load_path"
 
@@ -72,9 +72,23 @@ def training_tensors(state) -> dict[str, torch.Tensor]:
     tensors = {**model_tensors(state.model_parts), **optimizer_tensors(state.optimizer, state.model_parts),
                **number_tensors("lr_scheduler", state.lr_scheduler.state_dict()),
                **number_tensors("dataloader", state.dataloader.state_dict()),
+               **{key: value for name, plugin in state.plugins.items()
+                  for key, value in plugin_tensors(name, plugin.state_dict()).items()},
                "rng.cpu": torch.get_rng_state(), "step": torch.tensor(state.step)}
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    return tensors
+
+
+def plugin_tensors(name: str, plugin_state: dict) -> dict[str, torch.Tensor]:
+    """A plugin's ``state_dict()`` as tensors under ``plugins.<name>.``; a value that is none of a tensor, a
+    number or a list of numbers is refused (a checkpoint never pickles)."""
+    prefix = f"plugins.{name}"
+    tensors = number_tensors(prefix, plugin_state)
+    unsaved = sorted(set(plugin_state) - {k[len(prefix) + 1:] for k in tensors})
+    if unsaved:
+        raise TypeError(f"the state of plugin '{name}' holds {unsaved[0]}={plugin_state[unsaved[0]]!r}, which is not "
+                        "a tensor, a number or a list of numbers (titan_core.Stateful)")
     return tensors
 
 
@@ -165,7 +179,7 @@ def materialize_optimizer_state(optimizer) -> None:
 
 # What a checkpoint's parts hold, by key prefix; ``load_parts`` picks among them.
 PARTS = {"model": ("model.",), "optimizer": ("optimizer.",), "lr_scheduler": ("lr_scheduler.",),
-         "dataloader": ("dataloader.",), "step": ("step", "rng.")}
+         "dataloader": ("dataloader.",), "step": ("step", "rng."), "plugins": ("plugins.",)}
 
 
 def load_training_state(state, path, parts=tuple(PARTS)) -> int:
@@ -181,9 +195,19 @@ def load_training_state(state, path, parts=tuple(PARTS)) -> int:
     if "optimizer" in parts:
         materialize_optimizer_state(state.optimizer)
         wanted.update(optimizer_tensors(state.optimizer, state.model_parts))
-    for part in parts - {"model", "optimizer"}:
+    for part in parts - {"model", "optimizer", "plugins"}:
         for prefix in PARTS[part]:
             wanted.update(allocate(saved, prefix))
+    plugin_states = {}
+    if "plugins" in parts:
+        for name, plugin in state.plugins.items():
+            template, prefix = plugin.state_dict(), f"plugins.{name}."
+            tensors = {k[len(prefix):]: v for k, v in plugin_tensors(name, template).items() if k in saved}
+            if tensors:  # a checkpoint made without this plugin leaves its state as the plugin made it
+                plugin_states[name] = template
+                # The plugin's own tensors are loaded in place (DTensors resharded); numbers come as new tensors.
+                wanted.update({prefix + key: template[key] if isinstance(template[key], torch.Tensor) else value
+                               for key, value in tensors.items()})
     dcp.load(wanted, storage_reader=reader)
     if "model" in parts:
         copy_into_model(state.model_parts, wanted)
@@ -193,6 +217,8 @@ def load_training_state(state, path, parts=tuple(PARTS)) -> int:
         group["lr"] = lr  # the schedule's, whether restored or fresh (materializing the state zeroed nothing)
     if "dataloader" in parts:
         state.dataloader.load_state_dict(restore_numbers("dataloader", state.dataloader.state_dict(), wanted))
+    for name, template in plugin_states.items():
+        state.plugins[name].load_state_dict(restore_numbers(f"plugins.{name}", template, wanted))
     if "step" not in parts:
         return 0
     torch.set_rng_state(wanted["rng.cpu"])

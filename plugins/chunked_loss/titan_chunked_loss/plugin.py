@@ -21,8 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.description import attribute, lacks, replace
+from titan_core import ConfigError, Declaration, attribute, hookimpl, lacks, replace
 
 STAGE = 250  # after TP split the logits layer by vocabulary (the loss keeps it split), before FSDP shards it
 

@@ -24,25 +24,24 @@ the rest of each block is still compiled.
 import torch
 from torch import nn
 
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import COMPILE, EXPERT_PARALLEL
-from titan_core.description import canonical_name, lacks
+from titan_core import COMPILE, EXPERT_PARALLEL, TP, ConfigError, Declaration, canonical_name, hookimpl, lacks
 
 STAGE = 500  # after the transforms that rewrite a block (TP, CP, AC), before FSDP wraps it
 CUDA_ONLY_MODES = ("reduce-overhead", "max-autotune")  # both capture CUDA graphs
 
 
-@hookimpl
-def declare():
-    return Declaration(stage=STAGE, provides=frozenset({COMPILE}))
+def compile_counts() -> dict[str, int]:
+    """How many graphs dynamo compiled and how many graph breaks it took, in this process so far."""
+    counters = torch._dynamo.utils.counters
+    return {"compiled_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
-@hookimpl
-def validate(plugin_config, plan):
+def check_options(plugin_config, plan) -> None:
     if plan.model.blocks is None:
         raise ConfigError("plugins.compile", lacks(plan.model, "blocks", "per-block compile"),
                           "remove compile from +plugins=[...], or describe the model's blocks")
-    if plugin_config.compile_loss and plan.degree("tp") > 1:
+    if plugin_config.compile_loss and plan.degree(TP) > 1:
         raise ConfigError("plugins.compile.compile_loss", "the loss is not compiled under tensor parallel (its "
                           "logits may be vocabulary-sharded DTensors)", "set plugins.compile.compile_loss=false")
     backends = torch._dynamo.list_backends(exclude_tags=())
@@ -63,12 +62,10 @@ def validate(plugin_config, plan):
                           "machine has no CUDA device", "use mode=default or max-autotune-no-cudagraphs")
 
 
-@hookimpl
-def apply_parallelism(model_parts, mesh, plugin_config, plan):
-    """compile: compile each block's forward (its tensor-parallel regions one by one under tp)."""
+def compile_blocks(model_parts, mesh, plugin_config, plan) -> None:
     options = dict(backend=plugin_config.backend, fullgraph=plugin_config.fullgraph,
                    mode=None if plugin_config.mode == "default" else plugin_config.mode)
-    tensor_parallel = "tp" in mesh.shape
+    tensor_parallel = TP in mesh.shape
     for part in model_parts:
         for block in plan.model.blocks_of(part).values():
             graph_breaks = plan.provides(EXPERT_PARALLEL) and plan.model.experts_of(block) is not None
@@ -80,17 +77,7 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
                 block.compile(**block_options)
 
 
-@hookimpl
-def step_metrics():
-    """compile: how many graphs dynamo compiled so far and how many graph breaks it took (proof it compiled)."""
-    counters = torch._dynamo.utils.counters
-    return {"compiled_graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values())}
-
-
-@hookimpl
-def wrap_loss(loss_fn, plugin_config):
-    """compile: with compile_loss, the compiled loss function."""
+def compiled_loss(loss_fn, plugin_config):
     options = plugin_config
     if not options.compile_loss:
         return None
@@ -113,14 +100,55 @@ def tp_regions(block: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
 FUSED_TRAFFIC = 0.5
 
 
-@hookimpl
-def estimate_costs(estimate, plugin_config):
-    """compile: inductor fuses the elementwise ops, halving their traffic through device memory."""
+def estimate_fusion(estimate, plugin_config) -> None:
     if plugin_config.backend == "inductor":
         estimate.fusion *= FUSED_TRAFFIC
 
 
-@hookimpl
-def plan_options():
-    """compile: off or on (inductor)."""
-    return [None, {}]
+class CompilePlugin:
+    """The compile plugin of one run (the entry point names the class): dynamo's caches and counters are the
+    process's, so the run starts them afresh and counts from where they stood, and a sweep's next job in the
+    same process compiles and reports as its own."""
+
+    def __init__(self):
+        self.counted_from = compile_counts()
+
+    @hookimpl
+    def declare(self):
+        """compile: stage 500, provides compile."""
+        return Declaration(stage=STAGE, provides=frozenset({COMPILE}))
+
+    @hookimpl
+    def validate(self, plugin_config, plan):
+        """compile: the model has blocks; the backend and mode exist here."""
+        check_options(plugin_config, plan)
+
+    @hookimpl
+    def apply_parallelism(self, model_parts, mesh, plugin_config, plan):
+        """compile: compile each block's forward (its tensor-parallel regions one by one under tp)."""
+        # Dynamo keeps its caches per code object for the process: an earlier job of a sweep with other shapes
+        # would make this one's compile dynamic in them (SDPA then refuses a symbolic enable_gqa). As if in a
+        # fresh process:
+        torch._dynamo.reset()
+        self.counted_from = compile_counts()
+        compile_blocks(model_parts, mesh, plugin_config, plan)
+
+    @hookimpl
+    def step_metrics(self):
+        """compile: the graphs dynamo compiled for this run and the graph breaks it took (proof it compiled)."""
+        return {name: count - self.counted_from[name] for name, count in compile_counts().items()}
+
+    @hookimpl
+    def wrap_loss(self, loss_fn, plugin_config):
+        """compile: with compile_loss, the compiled loss function."""
+        return compiled_loss(loss_fn, plugin_config)
+
+    @hookimpl
+    def estimate_costs(self, estimate, plugin_config):
+        """compile: inductor fuses the elementwise ops, halving their traffic through device memory."""
+        estimate_fusion(estimate, plugin_config)
+
+    @hookimpl
+    def plan_options(self):
+        """compile: off or on (inductor)."""
+        return [None, {}]

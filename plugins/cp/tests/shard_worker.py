@@ -12,12 +12,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from titan_core.mesh import ParallelMesh
-from titan_core.init import init_weights
+from titan_core import ParallelMesh, Plan
+from titan_core.testing import init_weights
+from titan_cp import plugin
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
-from titan_core.plan import Plan
-from titan_cp import plugin
 
 SEQ = 16
 
@@ -30,8 +29,8 @@ def main(out: Path) -> None:
         with torch.device("meta"):
             model = Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=SEQ))
         plan = Plan((), {"cp": 2}, 2, describe(model.args))
-        plugin.apply_parallelism(model_parts=[model], mesh=mesh, plan=plan,
-                                 plugin_config=OmegaConf.create({"rotate_method": "allgather", "load_balance": True}))
+        plugin.apply_parallelism(mesh=mesh, plugin_config=OmegaConf.create({"rotate_method": "allgather",
+                                                                            "load_balance": True}))
         model.to_empty(device="cpu")
         init_weights(model, describe(model.args), 0)
         full_rope = model.rope.clone()

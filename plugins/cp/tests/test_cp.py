@@ -30,10 +30,9 @@ def test_parity(titan_parity, overrides):
     assert report.max_param_diff <= PARAM_TOL, report
 
 
-
 @pytest.mark.slow
 def test_parity_with_gradient_accumulation(titan_parity):
-    """cp's own averaging runs once per micro-batch on the running sum, which must leave the mean of the sums."""
+    """cp's own averaging runs once per step, after the last micro-batch's backward, on the sum of both."""
     accumulate = ["training.grad_accum_steps=2"]
     report = titan_parity(["+plugins=[cp]", "plugins.cp.degree=2"], reference_overrides=accumulate)
     assert report.max_loss_diff <= LOSS_TOL, report
@@ -64,8 +63,11 @@ def test_launcher_refuses_before_any_worker_starts(tmp_path, overrides, message)
     assert not (tmp_path / "logs").exists()
 
 
-def test_split_backward_without_a_sharding_plugin_is_refused(tmp_path):
-    # Trained wrong without an error (loss off by 2e-3 at step 2): found by bench/stack_matrix.py.
-    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[cp,pp]", "plugins.cp.degree=2", "plugins.pp.degree=2",
-                      "plugins.pp.schedule=ZBVZeroBubble"], tmp_path, expect_success=False)
-    assert "plugins.cp: without a data-parallel sharding plugin, cp averages gradients in hooks" in error_line(result)
+@pytest.mark.slow
+def test_a_split_backward_without_a_sharding_plugin_trains_alike(titan_parity):
+    """The weight-gradient passes of a zero-bubble schedule fire no accumulation hook: cp averages in the core's
+    after_backward event, after them. (Averaging in hooks trained wrong here: loss off by 2e-3 at step 2.)"""
+    report = titan_parity(["+plugins=[cp,pp]", "plugins.cp.degree=2", "plugins.pp.degree=2",
+                           "plugins.pp.schedule=ZBVZeroBubble"])
+    assert report.max_loss_diff <= LOSS_TOL, report
+    assert report.max_param_diff <= PARAM_TOL, report

@@ -10,7 +10,7 @@ cp ranks (all-gather or all-to-all) and merges the partial results by their log-
 Each cp rank's loss is the mean over its own tokens, an equal share of the sample, so the gradient of
 the whole batch is the mean of the ranks' gradients. A data-parallel sharding plugin that spans cp
 (FSDP shards over dp_shard x cp) averages them in its reduce-scatter; without one this plugin
-all-reduces each gradient over the cp group itself.
+all-reduces each gradient over the cp group itself, once per step (``after_backward``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.functional import scaled_dot_product_attention as local_sdpa
 
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING, SPLIT_BACKWARD
-from titan_core.attention import document_attention, document_causal_mask, grouped
-from titan_core.description import CORE_ATTENTION, SDPA_CAUSAL, attribute, lacks
+from titan_core import (CONTEXT_PARALLEL, CORE_ATTENTION, CP, DATA_PARALLEL_SHARDING, SDPA_CAUSAL, ConfigError,
+                        Declaration, attribute, document_attention, document_causal_mask, grouped, hookimpl, lacks)
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -37,12 +35,12 @@ ROTATE_METHODS = ("allgather", "alltoall")
 
 @hookimpl
 def declare(plugin_config):
-    return Declaration(stage=STAGE, mesh={"cp": plugin_config.degree}, provides=frozenset({CONTEXT_PARALLEL}))
+    return Declaration(stage=STAGE, mesh={CP: plugin_config.degree}, provides=frozenset({CONTEXT_PARALLEL}))
 
 
 @hookimpl
 def validate(config, plugin_config, plan):
-    degree = plan.degree("cp")
+    degree = plan.degree(CP)
     if plan.model.attention not in (SDPA_CAUSAL, CORE_ATTENTION):
         # Ring attention replaces causal SDPA; any other attention would see only its own shard's keys.
         raise ConfigError("plugins.cp", lacks(plan.model, "attention", "context parallel") if plan.model.attention is None
@@ -52,12 +50,6 @@ def validate(config, plugin_config, plan):
         # Without them every shard's positions would restart at 0: a silently wrong model.
         raise ConfigError("plugins.cp", lacks(plan.model, "position_buffers", "context parallel"),
                           "remove cp from +plugins=[...], or describe the model's position buffers")
-    if plan.provides(SPLIT_BACKWARD) and not plan.provides(DATA_PARALLEL_SHARDING):
-        # Found by the stack matrix: the weight-gradient pass of a split backward assigns gradients without
-        # firing the accumulation hooks that average them over cp here, and training went silently wrong.
-        raise ConfigError("plugins.cp", "without a data-parallel sharding plugin, cp averages gradients in hooks "
-                          "that a pipeline schedule splitting backward bypasses", "add fsdp or simplefsdp to "
-                          "+plugins=[...], or use a schedule that does not split backward")
     if plugin_config.rotate_method not in ROTATE_METHODS:
         raise ConfigError("plugins.cp.rotate_method", f"unknown rotate method '{plugin_config.rotate_method}'",
                           f"use one of {', '.join(ROTATE_METHODS)}")
@@ -72,43 +64,30 @@ def validate(config, plugin_config, plan):
 
 
 @hookimpl
-def apply_parallelism(model_parts, mesh, plugin_config, plan):
-    """cp: set up the ring, and average gradients over cp when no sharding plugin does."""
-    cp_mesh = mesh.submesh("cp")
+def apply_parallelism(plugin_config, mesh):
+    """cp: set up the ring."""
     if mesh.device_type == "cpu":
         register_cpu_ring_attention()
     configure_ring(plugin_config.rotate_method, plugin_config.load_balance)
-    if not plan.provides(DATA_PARALLEL_SHARDING):
-        for part in model_parts:
-            apply_gradient_averaging(part, cp_mesh)
 
 
-def apply_gradient_averaging(part: torch.nn.Module, cp_mesh) -> None:
-    """Average every gradient over the cp ranks as soon as backward has accumulated it.
-
-    The weights only exist after the transforms (they are materialized later, as new tensors), so
-    the per-parameter hooks are installed by the first forward. With gradient accumulation each
-    micro-batch averages the running sum again, which leaves it the average of the sums.
-    """
-    group = cp_mesh.get_group()
-
-    def average_over_cp(param: torch.Tensor) -> None:
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
-
-    def install(module, args):
-        for param in module.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(average_over_cp)
-        handle.remove()
-
-    handle = part.register_forward_pre_hook(install)
+@hookimpl
+def after_backward(model_parts, mesh, plan):
+    """cp: without a data-parallel sharding plugin, average the step's gradients over the cp ranks, once, after
+    every micro-batch's backward (a pipeline's split backward included)."""
+    if plan.provides(DATA_PARALLEL_SHARDING):
+        return
+    group = mesh.submesh(CP).get_group()
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for part in model_parts for p in part.parameters() if p.grad is not None]
+    for work in [dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group, async_op=True) for grad in grads]:
+        work.wait()
 
 
 @hookimpl
 def batch_context(inputs, labels, model_kwargs, model_parts, mesh, plan):
     """cp: split the batch and the model's position buffers along the sequence for one micro-batch."""
-    return _sequence_split(inputs, labels, model_kwargs, model_parts, mesh.submesh("cp"), plan)
+    return _sequence_split(inputs, labels, model_kwargs, model_parts, mesh.submesh(CP), plan)
 
 
 @contextlib.contextmanager
@@ -155,18 +134,18 @@ def gathered_document_attention(group, token_positions: torch.Tensor):
 def estimate_costs(estimate, plugin_config, plan):
     """cp: each rank keeps the activations of its share of the sequence; per block and micro-batch, the
     other ranks' keys and values reach it in forward and again in backward, and their gradients go back."""
-    degree = plan.degree("cp")
+    degree = plan.degree(CP)
     estimate.sequence_split *= degree
     # Per block and micro-batch, forward's keys and values, backward's again and their gradients: each one
     # all-gather, or a ring of degree - 1 exchanges.
     exchanges = 1 if plugin_config.rotate_method == "allgather" else degree - 1
     estimate.add_collective(
-        f"keys and values around the ring ({plugin_config.rotate_method})", ("cp",),
+        f"keys and values around the ring ({plugin_config.rotate_method})", (CP,),
         lambda e: 3 * len(e.blocks) * e.facts.attention_kv / e.activation_split * e.microbatch_tokens
         * e.microbatches_per_step() * (degree - 1), overlapped=plugin_config.rotate_method == "alltoall", plugin="cp",
         calls=lambda e: 3 * len(e.blocks) * e.microbatches_per_step() * exchanges)
     if not plan.provides(DATA_PARALLEL_SHARDING):  # one all-reduce per parameter and micro-batch
-        estimate.add_collective("all-reduce of the gradients", ("cp",),
+        estimate.add_collective("all-reduce of the gradients", (CP,),
                                 lambda e: 2 * 4 * e.held_params() / e.weight_split * (degree - 1) / degree,
                                 overlapped=False, plugin="cp",
                                 calls=lambda e: e.facts.parameter_tensors * e.microbatches_per_step())

@@ -25,19 +25,18 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from titan_core import ConfigError, Declaration, MeshDimension, hookimpl
-from titan_core.capabilities import EXPERT_PARALLEL, PARTIAL_DATA_PARALLEL
-from titan_core.data_parallel import replicate_only_over
-from titan_core.description import lacks
+from titan_core import (CP, DP_SHARD, EXPERT_PARALLEL, PARTIAL_DATA_PARALLEL, TP, ConfigError, Declaration,
+                        MeshDimension, hookimpl, lacks, replicate_only_over, rest_of)
 
 log = logging.getLogger("titan_core")
 STAGE = 350  # after TP and CP rewrote the dense parts, before AC replays and compile traces the blocks
+EP = "ep"  # the mesh dimension this plugin defines, borrowing the data-, context- and tensor-parallel ranks
 
 
 @hookimpl
 def declare(plugin_config):
-    return Declaration(stage=STAGE, mesh={"ep": plugin_config.degree},
-                       dimensions={"ep": MeshDimension(borrows=("dp_shard", "cp", "tp"))},
+    return Declaration(stage=STAGE, mesh={EP: plugin_config.degree},
+                       dimensions={EP: MeshDimension(borrows=(DP_SHARD, CP, TP))},
                        provides=frozenset({EXPERT_PARALLEL}), requires=frozenset({PARTIAL_DATA_PARALLEL}))
 
 
@@ -47,7 +46,7 @@ def validate(plan):
     if experts is None:
         raise ConfigError("plugins.ep", lacks(plan.model, "experts", "expert parallel"),
                           "use a mixture-of-experts model (model=qwen3_moe_tiny)")
-    degree = plan.degree("ep")
+    degree = plan.degree(EP)
     if experts.count % degree:
         raise ConfigError("plugins.ep.degree", f"{degree} does not divide the model's {experts.count} experts",
                           "choose a divisor of the number of experts")
@@ -56,14 +55,14 @@ def validate(plan):
 @hookimpl
 def apply_parallelism(model_parts, mesh, plan):
     """ep: keep this rank's slice of every block's experts; their tokens come and go by all-to-all."""
-    ep_mesh = mesh.submesh("ep")
+    ep_mesh = mesh.submesh(EP)
     sharded = []
     for part in model_parts:
         for block in plan.model.blocks_of(part).values():
             experts = plan.model.experts_of(block)
             if experts is not None:  # dense blocks have none
                 shard_by_expert(experts, ep_mesh)
-                replicate_only_over(experts, ("ep_rest",))
+                replicate_only_over(experts, (rest_of(EP),))
                 sharded.append(experts)
     if sharded:
         held = next(sharded[0].parameters()).to_local().shape[0]

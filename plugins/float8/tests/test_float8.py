@@ -9,7 +9,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from titan_core.init import init_weights
+from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
 from titan_core.testing import TINY, run_job
@@ -29,7 +29,7 @@ def _convert(recipe="tensorwise", filter_fqns=(), all_gather=False, **args):
         model = Transformer(LlamaArgs(**{**TINY_ARGS, **args}))
     options = OmegaConf.create({"recipe": recipe, "filter_fqns": list(filter_fqns),
                                 "fsdp_float8_all_gather": all_gather})
-    plugin.convert_float8(model, options, type("Plan", (), {"model": describe(model.args)})())
+    plugin.convert_modules(model, options, type("Plan", (), {"model": describe(model.args)})())
     return model
 
 

@@ -17,9 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from titan_core import ConfigError, hookimpl
-from titan_core.capabilities import DATA_PARALLEL_SHARDING
-from titan_core.description import canonical_name
+from titan_core import DATA_PARALLEL_SHARDING, ConfigError, canonical_name, hookimpl
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")
@@ -47,7 +45,7 @@ def validate(plugin_config, plan):
 
 
 @hookimpl
-def convert_float8(model, plugin_config, plan):
+def convert_modules(model, plugin_config, plan):
     """float8: swap the model's convertible Linear layers for torchao's float8 (or MXFP8) training ones."""
     skipped = (*plan.model.float8_skip, *plugin_config.filter_fqns)
     with torchao_noise_at_debug():

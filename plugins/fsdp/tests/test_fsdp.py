@@ -24,6 +24,22 @@ def test_fp32_parity(titan_parity, overrides):
     assert report.max_param_diff <= FP32_WEIGHT_TOLERANCE, report
 
 
+def test_reducing_on_the_last_micro_batch_only_trains_alike(titan_parity):
+    """reduce_gradients=last_micro_batch under 4 accumulated micro-batches: the gradients accumulate whole and are
+    reduce-scattered once (counted in tests/test_planner.py), with the one process's result."""
+    accumulated = ["training.grad_accum_steps=4"]
+    report = titan_parity(["+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.reduce_gradients=last_micro_batch",
+                           *accumulated], reference_overrides=accumulated)
+    assert report.max_loss_diff <= FP32_LOSS_TOLERANCE, report
+    assert report.max_param_diff <= FP32_WEIGHT_TOLERANCE, report
+
+
+def test_reducing_on_the_last_micro_batch_is_refused_under_a_pipeline(tmp_path):
+    result = run_job([*TINY, "launch.dry_run=true", "+plugins=[fsdp,pp]", "plugins.fsdp.degree=2", "plugins.pp.degree=2",
+                      "plugins.fsdp.reduce_gradients=last_micro_batch"], tmp_path, expect_success=False)
+    assert "plugins.fsdp.reduce_gradients: a pipeline schedule decides itself" in error_line(result)
+
+
 def test_bf16_mixed_precision_stays_close(titan_parity):
     # bf16 keeps 8 mantissa bits: measured 3.6e-3 on the loss and 2.6e-3 on the weights (5 steps, lr 1e-3).
     report = titan_parity(["+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.param_dtype=bfloat16"])

@@ -8,21 +8,20 @@ like those of different samples), and ``dp_replicate`` adds an outer replica dim
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL, SPLIT_BACKWARD
-from titan_core.data_parallel import replicated_over
-from titan_core.description import attribute, lacks
-from titan_core.options import FLOAT_DTYPES, compute_dtype, float_dtype, replica_count
+from titan_core import (CP, DATA_PARALLEL_SHARDING, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, PARTIAL_DATA_PARALLEL, PP,
+                        SPLIT_BACKWARD, ConfigError, Declaration, attribute, compute_dtype, float_dtype, hookimpl,
+                        lacks, replica_count, replicated_over)
 
 STAGE = 600  # last: it shards whatever the transforms before it (TP, AC, compile) produced
 RESHARD = ("default", "always", "never")
+REDUCE = ("every_micro_batch", "last_micro_batch")
 
 
 @hookimpl
 def declare(plugin_config):
-    mesh = {"dp_shard": plugin_config.degree}
+    mesh = {DP_SHARD: plugin_config.degree}
     if replica_count(plugin_config.replicate_degree, "plugins.fsdp.replicate_degree") != 1:
-        mesh["dp_replicate"] = plugin_config.replicate_degree
+        mesh[DP_REPLICATE] = plugin_config.replicate_degree
     return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL}))
 
 
@@ -45,13 +44,20 @@ def validate(plugin_config, plan):
                           "use reshard_after_forward=default, or a schedule that does not split backward")
     if plugin_config.prefetch < 0:
         raise ConfigError("plugins.fsdp.prefetch", f"{plugin_config.prefetch} is negative", "use 0 or more blocks")
+    if plugin_config.reduce_gradients not in REDUCE:
+        raise ConfigError("plugins.fsdp.reduce_gradients", f"unknown policy '{plugin_config.reduce_gradients}'",
+                          f"use one of {', '.join(REDUCE)}")
+    if plugin_config.reduce_gradients == "last_micro_batch" and PP in plan.mesh_shape:
+        raise ConfigError("plugins.fsdp.reduce_gradients", "a pipeline schedule decides itself when its stages "
+                          "reduce gradients (once per pipeline step)", "set reduce_gradients=every_micro_batch "
+                          "with pp")
 
 
 @hookimpl
 def apply_parallelism(model_parts, mesh, plugin_config, plan):
     """fsdp: shard each block, the embeddings, the final norm with the output layer, then each model part's
     remaining parameters, over the data-parallel mesh."""
-    dp_mesh = mesh.submesh("dp_replicate", ("dp_shard", "cp"))
+    dp_mesh = mesh.submesh(DP_REPLICATE, (DP_SHARD, CP))
     policy = dict(
         mesh=dp_mesh,
         mp_policy=MixedPrecisionPolicy(
@@ -61,7 +67,7 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
         offload_policy=(CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if plugin_config.cpu_offload
                         else OffloadPolicy()),
     )
-    pipelined = len(model_parts) > 1 or "pp" in mesh.shape
+    pipelined = len(model_parts) > 1 or PP in mesh.shape
     for part in model_parts:
         blocks = list(plan.model.blocks_of(part).values())
         for i, block in enumerate(blocks):
@@ -80,6 +86,15 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
         _prefetch(blocks, plugin_config.prefetch)
 
 
+@hookimpl
+def batch_context(micro_batch, micro_batches, model_parts, plugin_config):
+    """fsdp: with reduce_gradients=last_micro_batch, reduce-scatter (HSDP: and all-reduce) the gradients in the
+    last micro-batch's backward only; the earlier ones accumulate whole, unsharded gradients."""
+    if plugin_config.reduce_gradients == "last_micro_batch":
+        for part in model_parts:
+            part.set_requires_gradient_sync(micro_batch == micro_batches - 1)
+
+
 def _shard_partly_split(block, mesh, reshard: bool, policy: dict) -> None:
     """Modules another plugin already split over some ranks (expert parallel's experts, tensor parallel's
     mixture-of-experts layers): their own FSDP unit over the ranks they are replicated on, innermost first,
@@ -90,7 +105,7 @@ def _shard_partly_split(block, mesh, reshard: bool, policy: dict) -> None:
         dims = replicated_over(module)
         if dims is not None:
             fully_shard(module, reshard_after_forward=reshard,
-                        **{**policy, "mesh": mesh.submesh("dp_replicate", tuple(dims))})
+                        **{**policy, "mesh": mesh.submesh(DP_REPLICATE, tuple(dims))})
             module.set_gradient_divide_factor(divisor)
             # A divide factor reduce-scatters with NCCL's PREMUL_SUM, which gloo lacks: sum, then divide. Not
             # over a single rank, where torch 2.13 would divide twice (it divides when copying the gradient).
@@ -118,12 +133,13 @@ def _prefetch(blocks, depth: int) -> None:
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """fsdp: parameters, gradients and optimizer states divided over the shard ranks; each block's weights
-    gathered in forward and again in backward (behind the computation), gradients reduce-scattered."""
-    shards = plan.degree("dp_shard") * plan.degree("cp")
+    gathered in forward and again in backward (behind the computation), gradients reduce-scattered (each
+    micro-batch, or the last only with whole gradients held until then)."""
+    shards = plan.degree(DP_SHARD) * plan.degree(CP)
     estimate.state_shards *= shards
     estimate.compute_dtype = compute_dtype(plugin_config.param_dtype, "plugins.fsdp.param_dtype", estimate.device_type)
     reduce_bytes = torch.finfo(FLOAT_DTYPES[plugin_config.reduce_dtype]).bits // 8
-    pipelined = "pp" in plan.mesh_shape
+    pipelined = PP in plan.mesh_shape
     resharded = plugin_config.reshard_after_forward == "always" or (
         plugin_config.reshard_after_forward == "default" and not pipelined)
 
@@ -135,23 +151,25 @@ def estimate_costs(estimate, plugin_config, plan):
 
     micro = 1 if pipelined else estimate.grad_accum  # a pipeline gathers and reduces once per step
     gathers = (2 if resharded else 1) * micro
+    reductions = 1 if plugin_config.reduce_gradients == "last_micro_batch" else micro
+
     def units(e):  # one call per block, one for the output layer, one for the rest of the model
         return len(e.blocks) + 2
 
     def gather_calls(e):  # backward gathers again all but the last block and the output (never resharded)
         return micro * (units(e) + (units(e) - 2) * resharded)
 
-    estimate.add_collective("all-gather of the weights", ("dp_shard", "cp"), lambda e: sent(e, gathers * gathered(e)),
+    estimate.add_collective("all-gather of the weights", (DP_SHARD, CP), lambda e: sent(e, gathers * gathered(e)),
                             overlapped=True, plugin="fsdp", calls=gather_calls)
-    estimate.add_collective("reduce-scatter of the gradients", ("dp_shard", "cp"),
-                            lambda e: sent(e, micro * e.held_params() / e.weight_split * reduce_bytes),
-                            overlapped=True, plugin="fsdp", calls=lambda e: micro * units(e))
-    replicas = plan.degree("dp_replicate")
+    estimate.add_collective("reduce-scatter of the gradients", (DP_SHARD, CP),
+                            lambda e: sent(e, reductions * e.held_params() / e.weight_split * reduce_bytes),
+                            overlapped=True, plugin="fsdp", calls=lambda e: reductions * units(e))
+    replicas = plan.degree(DP_REPLICATE)
     if replicas > 1:
-        estimate.add_collective("all-reduce of the gradient shards", ("dp_replicate",),
-                                lambda e: 2 * micro * e.held_params() / e.weight_split / shards * reduce_bytes
+        estimate.add_collective("all-reduce of the gradient shards", (DP_REPLICATE,),
+                                lambda e: 2 * reductions * e.held_params() / e.weight_split / shards * reduce_bytes
                                 * (replicas - 1) / replicas, overlapped=True, plugin="fsdp",
-                                calls=lambda e: micro * units(e))
+                                calls=lambda e: reductions * units(e))
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered and their gradients unreduced until the
         # last micro-batch's backward: whole, for every block of the rank.
@@ -160,6 +178,10 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.add_memory("buffers", lambda e: e.held_params() / e.weight_split * reduce_bytes,
                             "gradients accumulated whole until the last micro-batch (pipeline)", "fsdp")
         return
+    if reductions < micro:
+        # Reduced in the last micro-batch only: until then each parameter's gradient accumulates whole.
+        estimate.add_memory("buffers", lambda e: e.held_params() / e.weight_split * reduce_bytes,
+                            "gradients accumulated whole until the last micro-batch (reduce_gradients)", "fsdp")
     # As backward starts, the last block (never resharded) and the output layer's unit are gathered; then the
     # block running backward, the ones prefetched, and the gradients of the one before being reduced.
     estimate.add_memory("buffers", lambda e: (e.largest_block_params() + e.facts.outputs_params * e.holds_outputs)

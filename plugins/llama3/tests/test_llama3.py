@@ -6,8 +6,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from titan_core.attention import document_ids
-from titan_core.init import init_weights
+from titan_core import document_ids
+from titan_core.testing import init_weights
 from titan_core.testing import model_conformance
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 from titan_llama3.plugin import llama_args, describe

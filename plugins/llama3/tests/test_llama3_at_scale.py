@@ -15,8 +15,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan_core.init import init_weights
-from titan_core.mesh import ParallelMesh
+from titan_core.testing import init_weights
+from titan_core import ParallelMesh
 from titan_fsdp import plugin as fsdp
 from titan_llama3.model import Transformer
 from titan_llama3.plugin import describe, llama_args

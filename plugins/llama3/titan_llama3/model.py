@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core.attention import causal_attention
+from titan_core import causal_attention
 
 
 @dataclass

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-from titan_core import ConfigError, hookimpl
-from titan_core.description import (CORE_ATTENTION, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                                    read_options)
+from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
+                        hookimpl, read_options)
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 
 FAMILY = "llama3"

@@ -92,7 +92,7 @@ def test_zero_bubble_with_compile_is_refused(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
 def test_zero_bubble_refuses_any_plugin_providing_compile(schedule):
-    from titan_core.plan import Declaration, Plan, PlannedPlugin
+    from titan_core import Declaration, Plan, PlannedPlugin
     from titan_llama3.model import LlamaArgs
     from titan_llama3.plugin import describe
     from titan_pp import plugin

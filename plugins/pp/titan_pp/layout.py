@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_core import ConfigError
-from titan_core.options import count_or_null
+from titan_core import ConfigError, count_or_null
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,8 @@ import logging
 import torch
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import COMPILE, PIPELINE, SPLIT_BACKWARD
-from titan_core.description import ModelDescription, drop, lacks
+from titan_core import (COMPILE, PIPELINE, PP, SPLIT_BACKWARD, ConfigError, Declaration, ModelDescription, drop,
+                        hookimpl, lacks)
 from titan_pp.layout import Layout, schedule_kind, stage_layout
 
 log = logging.getLogger("titan_core")
@@ -28,7 +27,7 @@ STAGE = 100  # first: the later transforms then see one stage per model part
 @hookimpl
 def declare(plugin_config):
     split = {SPLIT_BACKWARD} if schedule_kind(plugin_config).zero_bubble else set()
-    return Declaration(stage=STAGE, mesh={"pp": plugin_config.degree}, provides=frozenset({PIPELINE, *split}))
+    return Declaration(stage=STAGE, mesh={PP: plugin_config.degree}, provides=frozenset({PIPELINE, *split}))
 
 
 @hookimpl
@@ -56,7 +55,7 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
     """pp: replace the model by the stages this rank runs."""
     (model,) = model_parts
     layout = _layout(plugin_config, plan)
-    stages = layout.stages_of(mesh.local_rank("pp"))
+    stages = layout.stages_of(mesh.local_rank(PP))
     log.info("pipeline: %s, %d micro-batches; this rank runs %s", plugin_config.schedule, layout.microbatches,
              ", ".join(f"stage {s}/{layout.num_stages} (blocks {_span(layout.blocks[s])})" for s in stages))
     return [stage_module(model, plan.model, layout, stage) for stage in stages]
@@ -152,16 +151,16 @@ def forward_actions(order: dict[int, list]) -> dict[int, list]:
 def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
     """pp: wrap the materialized stages in torch pipeline stages and the configured schedule."""
     layout = _layout(plugin_config, plan)
-    group = mesh.submesh("pp").get_group()
+    group = mesh.submesh(PP).get_group()
     device = next(model_parts[0].parameters()).device
     stages = [PipelineStage(part, index, layout.num_stages, device, group=group)
-              for part, index in zip(model_parts, layout.stages_of(mesh.local_rank("pp")))]
+              for part, index in zip(model_parts, layout.stages_of(mesh.local_rank(PP)))]
     return PipelineStep(plugin_config.schedule, stages, layout.microbatches, loss_fn,
                         config.training.grad_accum_steps)
 
 
 def _layout(plugin_config, plan) -> Layout:
-    return stage_layout(plugin_config, plan.model.n_layers, plan.degree("pp"))
+    return stage_layout(plugin_config, plan.model.n_layers, plan.degree(PP))
 
 
 @hookimpl
@@ -198,7 +197,7 @@ def estimate_costs(estimate, plugin_config, plan):
     # into every stage but the first, gradients into every stage but the last.
     estimate.add_memory("buffers", lambda e: (2 * chunks - e.holds_inputs - e.holds_outputs) * microbatches * stream(e),
                         "pipeline receive buffers", "pp")
-    estimate.add_collective("residual stream between stages", ("pp",),
+    estimate.add_collective("residual stream between stages", (PP,),
                             lambda e: 2 * chunks * stream(e) * e.microbatches_per_step(), overlapped=False, plugin="pp",
                             calls=lambda e: 2 * chunks * e.microbatches_per_step())
 

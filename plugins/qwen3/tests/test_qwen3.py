@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf
-from titan_core.init import init_weights
+from titan_core.testing import init_weights
 from titan_core.testing import model_conformance
 from titan_qwen3.model import Qwen3
 from titan_qwen3.plugin import describe, qwen3_args

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf
-from titan_core.init import init_weights
+from titan_core.testing import init_weights
 from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, error_line, model_conformance, run_job
 from titan_qwen3.moe import MoE, Qwen3Moe
 from titan_qwen3.moe_plugin import describe, qwen3_moe_args
@@ -124,8 +124,8 @@ def test_balance_loss_adds_the_gradient_of_its_formula():
 
 
 def test_routing_bias_moves_toward_even_load_after_each_step(one_rank_group):
-    from titan_core.plan import Plan
-    from titan_qwen3.moe_plugin import after_optimizer_step
+    from titan_core import Plan
+    from titan_qwen3.moe_plugin import update_routing_bias
 
     model = Qwen3Moe(args(rope_theta=10000.0, router_bias_update_rate=0.01))
     init_weights(model, describe(model.args), 3)
@@ -136,11 +136,11 @@ def test_routing_bias_moves_toward_even_load_after_each_step(one_rank_group):
     for _ in range(2):  # training forwards (an evaluation's, under no_grad, are not counted)
         model(TOKENS)
     counts = model.layers["1"].mlp.tokens_since_update.clone()
-    after_optimizer_step(model_parts=[model], plan=plan)
+    update_routing_bias(model_parts=[model], plan=plan)
     expected = 0.01 * torch.sign(counts.float().mean() - counts.float())
     assert torch.equal(gate.expert_bias, expected) and gate.expert_bias[0] < 0 < gate.expert_bias.max()
     assert model.layers["1"].mlp.tokens_since_update.sum() == 0  # counted afresh for the next step
-    after_optimizer_step(model_parts=[model], plan=plan)  # no token since: every load equals the mean
+    update_routing_bias(model_parts=[model], plan=plan)  # no token since: every load equals the mean
     assert torch.equal(gate.expert_bias, expected)
 
 
@@ -322,8 +322,8 @@ def one_rank_group():
 
 
 def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group, caplog):
-    from titan_core.plan import Plan
-    from titan_qwen3.moe_plugin import IdleExperts, step_metrics
+    from titan_core import Plan
+    from titan_qwen3.moe_plugin import IdleExperts, Qwen3MoePlugin
 
     model = tiny_moe()
     chosen = {}  # per sparse block, the experts its router chose, seen from outside
@@ -342,7 +342,7 @@ def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group,
 
     for layer, counts in zip((1, 2, 3), ([4, 4, 4, 4, 4, 4, 4, 4], [8, 0, 4, 4, 4, 4, 4, 4], [2, 6, 4, 4, 4, 4, 4, 4])):
         model.layers[str(layer)].mlp.tokens_per_expert.copy_(torch.tensor(counts))
-    metrics = step_metrics(model_parts=[model], step=10, plan=Plan((), {}, 1, describe(model.args)))
+    metrics = Qwen3MoePlugin().step_metrics(model_parts=[model], step=10, plan=Plan((), {}, 1, describe(model.args)))
     assert metrics == {"expert_load_min": 0.0, "expert_load_max": 2.0, "idle_experts": 1}
     assert all(model.layers[str(layer)].mlp.tokens_per_expert.sum() == 0 for layer in (1, 2, 3))  # read and reset
 
@@ -353,3 +353,12 @@ def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group,
     assert idle.update(quiet, [1, 3], step=150) == []
     assert "expert 1 of block 1 has received no token for 100 steps" in caplog.text
     assert idle.update(torch.tensor([[3.0, 1.0], [1.0, 0.0]]), [1, 3], step=160) == []  # block 3's just started
+    # A resumed run: the state a checkpoint kept (expert 1 of block 1 chosen at step 60) counts on from there.
+    before = IdleExperts(limit=100)
+    before.update(torch.ones(2, 2), [1, 3], step=60)
+    resumed, fresh = IdleExperts(limit=100), IdleExperts(limit=100)
+    resumed.size(2, 2, torch.device("cpu"))
+    resumed.load_state_dict({key: value.clone() if isinstance(value, torch.Tensor) else value
+                             for key, value in before.state_dict().items()})
+    assert resumed.update(quiet, [1, 3], step=150) == []  # 90 steps idle
+    assert fresh.update(quiet, [1, 3], step=150) == [(1, 1)]  # what forgetting the state would report

@@ -34,7 +34,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core.objective import add_loss
+from titan_core import add_loss
 from titan_qwen3.model import MLP, Qwen3, Qwen3Args
 
 

@@ -10,9 +10,8 @@ import re
 import torch
 import torch.distributed as dist
 
-from titan_core import ConfigError, hookimpl
-from titan_core.description import (CORE_ATTENTION, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
-                                    read_options)
+from titan_core import (CORE_ATTENTION, CP, TP, ConfigError, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
+                        hookimpl, read_options)
 from titan_qwen3.model import rope_table
 from titan_qwen3.moe import MoE, Qwen3Moe, Qwen3MoeArgs
 from titan_qwen3 import plugin as qwen3
@@ -100,12 +99,6 @@ def options_from_hf(config: dict) -> dict:
     return options
 
 
-@hookimpl
-def describe_model(model_config, vocab_size, seq_len):
-    """Qwen3-MoE: check the options; describe blocks, RoPE positions, the logits layer and HF names."""
-    return describe(qwen3_moe_args(model_config, vocab_size, seq_len))
-
-
 def describe(args: Qwen3MoeArgs) -> ModelDescription:
     untied = not args.tie_word_embeddings
     return ModelDescription(
@@ -124,12 +117,6 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {},
                      pieces=expert_pieces(args)) if args.qwen3_routing else None,
     )
-
-
-@hookimpl
-def build_model(description):
-    """Qwen3-MoE: the model of the described options."""
-    return Qwen3Moe(description.args)
 
 
 def init_buffers(part, args: Qwen3MoeArgs) -> None:
@@ -159,22 +146,20 @@ def global_counts(model_parts, plan, buffer: str) -> tuple[dict[int, MoE], torch
     return layers, counts
 
 
-@hookimpl
-def after_init(model_parts, mesh, plan):
-    """Qwen3-MoE: with router_aux_loss_coef, give every MoE layer the ranks that share its tokens (tp, cp)."""
+def share_token_groups(model_parts, mesh, plan) -> None:
+    """With router_aux_loss_coef, give every MoE layer the ranks that share its tokens (tp, cp)."""
     if not plan.model.args.router_aux_loss_coef:
         return
-    sharing = mesh.submesh(("cp", "tp"))
+    sharing = mesh.submesh((CP, TP))
     for part in model_parts:
         for module in part.modules():
             if isinstance(module, MoE) and sharing is not None and sharing.size() > 1:
                 module.token_group, module.token_group_size = sharing.get_group(), sharing.size()
-                module.aux_loss_scale = float(plan.degree("cp"))
+                module.aux_loss_scale = float(plan.degree(CP))
 
 
-@hookimpl
-def after_optimizer_step(model_parts, plan):
-    """Qwen3-MoE: with router_bias_update_rate, move each expert's routing bias toward an even load."""
+def update_routing_bias(model_parts, plan) -> None:
+    """With router_bias_update_rate, move each expert's routing bias toward an even load."""
     rate = plan.model.args.router_bias_update_rate
     if not rate:
         return
@@ -184,18 +169,17 @@ def after_optimizer_step(model_parts, plan):
             module.gate.expert_bias += rate * torch.sign(counts[layer].mean() - counts[layer])
 
 
-@hookimpl
-def step_metrics(model_parts, step, plan):
-    """Qwen3-MoE: how the routers spread the global batch's tokens over the experts since the last log."""
+def routing_metrics(model_parts, step, plan, idle_experts: IdleExperts) -> dict:
+    """How the routers spread the global batch's tokens over the experts since the last log."""
     args = plan.model.args
     sparse = [layer for layer in range(args.num_hidden_layers) if args.sparse(layer)]
     counts = global_counts(model_parts, plan, "tokens_per_expert")[1][sparse]
     load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
-    _idle_experts.update(counts, sparse, step)
+    idle_experts.update(counts, sparse, step)
     metrics = {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
                "idle_experts": int((counts == 0).sum())}
     if args.router_aux_loss_coef:
-        metrics["router_aux_loss"] = mean_balance_loss(model_parts, plan.degree("cp") * plan.degree("tp"))
+        metrics["router_aux_loss"] = mean_balance_loss(model_parts, plan.degree(CP) * plan.degree(TP))
     return metrics
 
 
@@ -214,24 +198,81 @@ def mean_balance_loss(model_parts, sharing: int) -> float:
 
 
 class IdleExperts:
-    """Counts, per (sparse block, expert), the logged steps since a token last chose it; warns once at ``limit``."""
+    """Counts, per (sparse block, expert), the logged steps since a token last chose it; warns once at ``limit``.
+
+    Its counts are the same on every rank (they come from the all-reduced loads), so a checkpoint keeps them
+    as they are and a resumed run warns when the uninterrupted one would have.
+    """
 
     def __init__(self, limit: int):
-        self.limit, self.idle, self.last_step, self.warned = limit, None, 0, set()
+        self.limit, self.last_step = limit, 0
+        self.idle: torch.Tensor | None = None  # (sparse blocks, experts): logged steps without a token
+        self.warned: torch.Tensor | None = None  # the same shape: already reported
+
+    def size(self, sparse_blocks: int, experts: int, device: torch.device) -> None:
+        self.idle = torch.zeros(sparse_blocks, experts, device=device)
+        self.warned = torch.zeros(sparse_blocks, experts, dtype=torch.bool, device=device)
 
     def update(self, counts: torch.Tensor, sparse: list[int], step: int) -> list[tuple[int, int]]:
         """Record the counts since the last logged step; returns the (block, expert) pairs newly reported."""
-        idle = torch.zeros_like(counts) if self.idle is None else self.idle
-        self.idle = torch.where(counts == 0, idle + (step - self.last_step), torch.zeros_like(idle))
+        if self.idle is None:
+            self.size(*counts.shape, counts.device)
+        self.idle = torch.where(counts == 0, self.idle + (step - self.last_step), torch.zeros_like(self.idle))
         self.last_step = step
-        reported = [(sparse[row], expert) for row, expert in (self.idle >= self.limit).nonzero().tolist()
-                    if (sparse[row], expert) not in self.warned]
+        new = (self.idle >= self.limit) & ~self.warned
+        self.warned |= new
+        reported = [(sparse[row], expert) for row, expert in new.nonzero().tolist()]
         for block, expert in reported:
-            self.warned.add((block, expert))
             if dist.get_rank() == 0:
                 log.warning("expert %d of block %d has received no token for %d steps: its router never chooses it",
                             expert, block, int(self.idle[sparse.index(block), expert]))
         return reported
 
+    def state_dict(self) -> dict:
+        return {} if self.idle is None else {"idle": self.idle, "warned": self.warned, "last_step": self.last_step}
 
-_idle_experts = IdleExperts(IDLE_WARNING_STEPS)
+    def load_state_dict(self, state: dict) -> None:
+        self.idle, self.warned, self.last_step = state["idle"], state["warned"], state["last_step"]
+
+
+class Qwen3MoePlugin:
+    """The Qwen3-MoE model plugin of one run (the entry point names the class): its own idle-expert counts,
+    which a checkpoint keeps, so that a sweep's next job, with another expert count, starts afresh."""
+
+    def __init__(self):
+        self.idle_experts = IdleExperts(IDLE_WARNING_STEPS)
+
+    @hookimpl
+    def describe_model(self, model_config, vocab_size, seq_len):
+        """Qwen3-MoE: check the options; describe blocks, RoPE positions, the logits layer and HF names."""
+        return describe(qwen3_moe_args(model_config, vocab_size, seq_len))
+
+    @hookimpl
+    def build_model(self, description):
+        """Qwen3-MoE: the model of the described options."""
+        return Qwen3Moe(description.args)
+
+    @hookimpl
+    def after_init(self, model_parts, mesh, plan):
+        """Qwen3-MoE: size the idle-expert counts; with router_aux_loss_coef, give every MoE layer the ranks that
+        share its tokens (tp, cp)."""
+        args = plan.model.args
+        sparse = sum(args.sparse(layer) for layer in range(args.num_hidden_layers))
+        self.idle_experts.size(sparse, args.num_experts, next(model_parts[0].buffers()).device)
+        share_token_groups(model_parts, mesh, plan)
+
+    @hookimpl
+    def after_optimizer_step(self, model_parts, plan):
+        """Qwen3-MoE: with router_bias_update_rate, move each expert's routing bias toward an even load."""
+        update_routing_bias(model_parts, plan)
+
+    @hookimpl
+    def step_metrics(self, model_parts, step, plan):
+        """Qwen3-MoE: how the routers spread the global batch's tokens over the experts since the last log."""
+        return routing_metrics(model_parts, step, plan, self.idle_experts)
+
+    def state_dict(self) -> dict:
+        return self.idle_experts.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.idle_experts.load_state_dict(state)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import fields
 
-from titan_core import ConfigError, hookimpl
-from titan_core.description import (CORE_ATTENTION, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                                    read_options)
+from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
+                        hookimpl, read_options)
 from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
 
 FAMILY = "qwen3"

@@ -42,8 +42,8 @@ def test_parameters_are_sharded_dtensors_under_their_own_names():
     and the module computes with the gathered plain tensor."""
     import torch.distributed as dist
 
-    from titan_core.mesh import ParallelMesh
-    from titan_core.init import init_weights
+    from titan_core import ParallelMesh
+    from titan_core.testing import init_weights
     from titan_llama3.model import LlamaArgs, Transformer
     from titan_llama3.plugin import describe
     from titan_simplefsdp import plugin

@@ -16,24 +16,22 @@ the first tensor dimension that tp does not shard, so the two placements commute
 piece is simply a data-parallel shard of the tp-local shard.
 """
 
-from functools import cache
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from titan_core import Declaration, hookimpl
-from titan_core.capabilities import DATA_PARALLEL_SHARDING
-from titan_core.options import FLOAT_DTYPES, compute_dtype, float_dtype, replica_count
+from titan_core import (CP, DATA_PARALLEL_SHARDING, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, TP, Declaration,
+                        compute_dtype, float_dtype, hookimpl, replica_count)
 
 STAGE = 600  # last, like FSDP: it shards whatever parameters the earlier transforms produced
 
 
 @hookimpl
 def declare(plugin_config):
-    mesh = {"dp_shard": plugin_config.degree}
+    mesh = {DP_SHARD: plugin_config.degree}
     if replica_count(plugin_config.replicate_degree, "plugins.simplefsdp.replicate_degree") != 1:
-        mesh["dp_replicate"] = plugin_config.replicate_degree
+        mesh[DP_REPLICATE] = plugin_config.replicate_degree
     return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING}))
 
 
@@ -47,8 +45,8 @@ def validate(plugin_config):
 @hookimpl
 def apply_parallelism(model_parts, mesh, plugin_config):
     """simplefsdp: store every parameter sharded over the data-parallel mesh, gathered on read."""
-    dp_mesh = mesh.submesh("dp_replicate", ("dp_shard", "cp"))
-    gather = Gather(dp_mesh, mesh.submesh("dp_replicate", ("dp_shard", "cp"), "tp") if "tp" in mesh.shape else None,
+    dp_mesh = mesh.submesh(DP_REPLICATE, (DP_SHARD, CP))
+    gather = Gather(dp_mesh, mesh.submesh(DP_REPLICATE, (DP_SHARD, CP), TP) if TP in mesh.shape else None,
                     compute_dtype(plugin_config.param_dtype, "plugins.simplefsdp.param_dtype", mesh.device_type),
                     FLOAT_DTYPES[plugin_config.reduce_dtype])
     for part in model_parts:
@@ -58,7 +56,7 @@ def apply_parallelism(model_parts, mesh, plugin_config):
                 for name in names:
                     param = module._parameters[name]
                     module._parameters[name] = nn.Parameter(gather.shard(param), requires_grad=param.requires_grad)
-                module.__class__ = parametrized_class(module.__class__, tuple(names), gather)
+                module.__class__ = gather.parametrized_class(module.__class__, tuple(names))
 
 
 class Gather:
@@ -69,6 +67,16 @@ class Gather:
         self.replicated = [Replicate()] * dp_mesh.ndim
         self.averaged = [Partial("avg")] * dp_mesh.ndim
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.classes: dict[tuple[type, tuple[str, ...]], type] = {}
+
+    def parametrized_class(self, cls: type, names: tuple[str, ...]) -> type:
+        """``cls`` with each of ``names`` read through this gather; one class per (class, names), kept by this run,
+        so that torch.compile sees the same type in every block and compiles once."""
+        if (cls, names) not in self.classes:
+            def prop(name):
+                return property(lambda module: self(module._parameters[name]))
+            self.classes[cls, names] = type(f"SimpleFSDP{cls.__name__}", (cls,), {name: prop(name) for name in names})
+        return self.classes[cls, names]
 
     def dp_placements(self, dim: int) -> list:
         """Replicated over dp_replicate (hybrid sharding), sharded on ``dim`` over the rest."""
@@ -91,14 +99,5 @@ class Gather:
         dp_view = DTensor.from_local(param.to_local(), self.dp_mesh, param.placements[:n_dp])
         tp_local = dp_view.redistribute(placements=self.replicated, forward_dtype=self.param_dtype,
                                         backward_dtype=self.reduce_dtype).to_local(grad_placements=self.averaged)
-        tp_mesh = self.dp_tp_mesh["tp"]
+        tp_mesh = self.dp_tp_mesh[TP]
         return DTensor.from_local(tp_local, tp_mesh, param.placements[n_dp:], shape=param.shape, stride=param.stride())
-
-
-@cache
-def parametrized_class(cls: type, names: tuple[str, ...], gather: Gather) -> type:
-    """``cls`` with each of ``names`` read through ``gather``; one class per (class, names) so that
-    torch.compile sees the same type in every block and compiles once."""
-    def prop(name):
-        return property(lambda self: gather(self._parameters[name]))
-    return type(f"SimpleFSDP{cls.__name__}", (cls,), {name: prop(name) for name in names})

@@ -7,8 +7,8 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_core import ConfigError
-from titan_core.mesh import ParallelMesh
-from titan_core.init import init_weights
+from titan_core import ParallelMesh
+from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
 from titan_core.testing import TINY, error_line, run_job

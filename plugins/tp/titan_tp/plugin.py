@@ -26,10 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from titan_core import ConfigError, Declaration, hookimpl
-from titan_core.capabilities import COMPILE, DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL, TENSOR_PARALLEL
-from titan_core.data_parallel import replicate_only_over
-from titan_core.description import TensorParallelLayout, attribute, lacks
+from titan_core import (COMPILE, CP, DATA_PARALLEL_SHARDING, DP_SHARD, PARTIAL_DATA_PARALLEL, TENSOR_PARALLEL, TP,
+                        ConfigError, Declaration, TensorParallelLayout, attribute, hookimpl, lacks, replicate_only_over)
 
 STAGE = 200  # after pipeline splitting (each stage is parallelized like a whole model), before CP, AC, compile, FSDP
 
@@ -38,13 +36,13 @@ STAGE = 200  # after pipeline splitting (each stage is parallelized like a whole
 def declare(plugin_config):
     # AsyncTP's fused collective-matmuls are an inductor pass: without a compiler nothing is fused.
     requires = frozenset({COMPILE}) if plugin_config.async_tp else frozenset()
-    return Declaration(stage=STAGE, mesh={"tp": plugin_config.degree},
+    return Declaration(stage=STAGE, mesh={TP: plugin_config.degree},
                        provides=frozenset({TENSOR_PARALLEL}), requires=requires)
 
 
 @hookimpl
 def validate(config, plugin_config, plan):
-    degree = plan.degree("tp")
+    degree = plan.degree(TP)
     layout = plan.model.tensor_parallel
     if layout is None or plan.model.blocks is None:
         raise ConfigError("plugins.tp", lacks(plan.model, "tensor_parallel" if layout is None else "blocks",
@@ -58,7 +56,7 @@ def validate(config, plugin_config, plan):
         _check_token_split(experts, plan)
     if plugin_config.sequence_parallel or experts is not None:
         # The sequence each rank sees (after context parallel's split) is split again over tp.
-        local_seq = config.training.seq_len // plan.degree("cp")
+        local_seq = config.training.seq_len // plan.degree(CP)
         if local_seq % degree:
             split = "sequence parallel" if plugin_config.sequence_parallel else "a mixture-of-experts layer"
             raise ConfigError("training.seq_len", f"{split} splits {local_seq} tokens per context-parallel "
@@ -92,7 +90,7 @@ def _check_async_tp(config, plugin_config) -> None:
 @hookimpl
 def apply_parallelism(model_parts, mesh, plugin_config, plan):
     """tp: split every part's outer modules and blocks over the tp mesh, as the model's layout says."""
-    tp_mesh = mesh.submesh("tp")
+    tp_mesh = mesh.submesh(TP)
     layout = plan.model.tensor_parallel
     sp, lp = plugin_config.sequence_parallel, plugin_config.loss_parallel
     for part in model_parts:
@@ -166,7 +164,7 @@ def split_tokens(layer: nn.Module, tp_mesh, sp: bool) -> None:
     layer.register_forward_pre_hook(take_share)
     if not sp:  # under sequence parallel the residual stream stays split: the shares go on as they are
         layer.register_forward_hook(gather_shares)
-    replicate_only_over(layer, ("dp_shard", "cp", "tp"))
+    replicate_only_over(layer, (DP_SHARD, CP, TP))
 
 
 def gather_stream_on_entry(region: nn.Module, tp_mesh) -> None:
@@ -224,7 +222,7 @@ def estimate_costs(estimate, plugin_config, plan):
     embedding's whole gradient in its backward; per block and micro-batch, two all-gathers and two
     reduce-scatters of the residual stream (or two all-reduces) in each of forward and backward, which the step
     waits for (AsyncTP hides them behind the matmuls); DTensor's host time per operator."""
-    degree = plan.degree("tp")
+    degree = plan.degree(TP)
     estimate.weight_split *= degree
     # Kept whole on every rank: what has the residual stream's shape without sequence parallel (norms, sums),
     # and with it the column-wise linears' inputs, gathered along the sequence (two per block).
@@ -251,7 +249,7 @@ def estimate_costs(estimate, plugin_config, plan):
     if plugin_config.sequence_parallel and plan.provides(DATA_PARALLEL_SHARDING):
         per_block, outer = per_block + 2, outer + 1
     estimate.add_collective(
-        "residual stream gathered and reduced", ("tp",),
+        "residual stream gathered and reduced", (TP,),
         lambda e: 8 * len(e.blocks) * e.facts.block_input * e.microbatch_tokens * e.microbatches_per_step()
         * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp",
         calls=lambda e: (per_block * len(e.blocks) + outer * (e.holds_inputs or e.holds_outputs))

@@ -317,9 +317,18 @@ class _Traffic(TorchDispatchMode):
         return out
 
 
-def optimizer_traffic(build_optimizer, config, elements: int = 1 << 14) -> float:
-    """Bytes per parameter element that one step of the job's optimizer (``build_optimizer``: the core's hook,
-    as a worker calls it) moves through memory: its operators' reads and writes, on a float32 parameter."""
+@dataclass(frozen=True)
+class OptimizerFacts:
+    """What the job's optimizer costs per parameter element: ``state`` bytes it keeps (AdamW's two float32
+    moments: 8), ``traffic`` bytes one step moves through memory (its operators' reads and writes)."""
+
+    state: float
+    traffic: float
+
+
+def optimizer_facts(build_optimizer, config, elements: int = 1 << 14) -> OptimizerFacts:
+    """The state and the traffic per parameter element of the job's optimizer (``build_optimizer``: the core's
+    hook, as a worker calls it), measured on one float32 parameter: whatever plugin builds it is priced."""
     holder = torch.nn.Module()
     holder.weight = torch.nn.Parameter(torch.zeros(elements))
     try:
@@ -333,4 +342,7 @@ def optimizer_traffic(build_optimizer, config, elements: int = 1 << 14) -> float
         raise ConfigError("optimizer", f"the planner prices the optimizer's step on one float32 parameter, and "
                           f"the job's optimizer failed there: {str(error).splitlines()[0]}",
                           "let the optimizer plugin's build_optimizer take a module holding one plain parameter") from None
-    return traffic.bytes / elements
+    # Per-element states only: scalar ones (a step counter) do not grow with the model.
+    state = sum(value.numel() * value.element_size() for slots in optimizer.state.values() for value in slots.values()
+                if isinstance(value, torch.Tensor) and value.numel() == elements)
+    return OptimizerFacts(state=state / elements, traffic=traffic.bytes / elements)

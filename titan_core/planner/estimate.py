@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from titan_core.mesh import cpu_threads
-from titan_core.planning.facts import ModelFacts
-from titan_core.planning.hardware import Hardware
+from titan_core.planner.facts import ModelFacts
+from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -71,7 +71,10 @@ class Estimate:
     step: casts and recomputation add to it), ``fusion`` (the share of that traffic left once a compiler fuses
     the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules),
     ``dispatch_cost`` (the host's time per operator relative to eager PyTorch's: DTensor's sharding propagation
-    multiplies it). The core sets ``optimizer_bytes`` (bytes per parameter element its optimizer step moves).
+    multiplies it). The core sets ``optimizer_bytes`` (bytes per parameter element its optimizer step moves) and
+    ``optimizer_state_bytes`` (bytes per parameter element its optimizer keeps), both measured by stepping the
+    job's own optimizer on one parameter; an optimizer plugin whose state depends on a parameter's shape (Muon
+    for matrices, AdamW for the rest) sets the latter to its average in its ``estimate_costs``.
     """
 
     config: object
@@ -100,6 +103,7 @@ class Estimate:
     bubble: float = 0.0
     dispatch_cost: float = 1.0
     optimizer_bytes: float = 0.0
+    optimizer_state_bytes: float = 8.0
     ranks: list[dict] = field(default_factory=list)
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
     collectives: list[Collective] = field(default_factory=list)
@@ -216,7 +220,7 @@ class Estimate:
         memory["parameters"] += 4 * state
         memory["gradients"] += gradients
         memory["activations"] += activations
-        memory["optimizer"] += (4 if self.config.optimizer.state_dtype == "bfloat16" else 8) * state
+        memory["optimizer"] += self.optimizer_state_bytes * state
         memory["buffers"] += facts.buffer_bytes
         return {category: memory[category] + own[category] for category in CATEGORIES}
 

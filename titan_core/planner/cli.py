@@ -1,4 +1,4 @@
-"""``python -m titan_core.plan [--hardware NAME|FILE] <the overrides of a run>``: one rank's memory and step
+"""``python -m titan_core.planner [--hardware NAME|FILE] <the overrides of a run>``: one rank's memory and step
 time for that job on that hardware, before launch and without a device.
 
 The job is composed and checked exactly as ``python -m titan_core.run`` checks it (same one-line errors),
@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import sys
 
-from titan_core.errors import ConfigError
+from titan_core.data import load_tokenizer
+from titan_core.errors import EXIT_BAD_INPUT, ConfigError
+from titan_core.launch.checks import check_job
+from titan_core.launch.command_line import composed
+from titan_core.planner.costs import estimate, report
+from titan_core.planner.hardware import hardware_profile
+from titan_core.planner.recommend import recommend
+from titan_core.plugins import Registry, build_plan
 
-USAGE = ("usage: python -m titan_core.plan [--hardware h100|a100|...|cpu-measured|FILE.yaml] [--recommend] "
+USAGE = ("usage: python -m titan_core.planner [--hardware h100|a100|...|cpu-measured|FILE.yaml] [--recommend] "
          "[overrides ...]")
 
 
@@ -35,43 +42,21 @@ def split_flags(argv: list[str]) -> tuple[str, bool, list[str]]:
     return hardware, recommend, rest
 
 
-def composed(overrides: list[str]):
-    """The job config of a command line's overrides, checked as ``run`` checks it before planning."""
-    from hydra import compose, initialize_config_module
-
-    from titan_core.run import check_command_line
-    from titan_core.schema import check_config_kinds
-
-    check_command_line(overrides)
-    with initialize_config_module("titan_core.conf", version_base=None):
-        config = compose("config", overrides=overrides)
-    check_config_kinds(config)
-    return config
-
-
 def job_estimate(argv: list[str], hardware=None):
-    """The plan and the :class:`~titan_core.planning.estimate.Estimate` of a command line (``--hardware`` and
+    """The plan and the :class:`~titan_core.planner.estimate.Estimate` of a command line (``--hardware`` and
     the overrides of a run), or of its overrides on ``hardware`` when given; raises ConfigError on bad input."""
-    from titan_core.data import load_tokenizer
-    from titan_core.plan import build_plan, plugin_manager
-    from titan_core.planning.costs import estimate
-    from titan_core.planning.hardware import hardware_profile
-    from titan_core.run import check_job
-
     hardware_name, _, overrides = split_flags(argv)
     hardware = hardware or hardware_profile(hardware_name)
     config = composed(overrides)
     vocab_size = load_tokenizer(config.tokenizer).vocab_size
-    pm = plugin_manager(config)
-    plan = build_plan(config, pm, None, vocab_size)
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, vocab_size)
     check_job(config, plan)
-    return plan, estimate(config, plan, pm, hardware)
+    return plan, estimate(config, plan, registry, hardware)
 
 
 def plan_costs(argv: list[str]) -> str:
     """What the plan command prints for a command line."""
-    from titan_core.planning.costs import report
-
     if split_flags(argv)[1]:
         return recommendations(argv)
     plan, result = job_estimate(argv)
@@ -80,10 +65,6 @@ def plan_costs(argv: list[str]) -> str:
 
 def recommendations(argv: list[str]) -> str:
     """The best plans for the cluster of a command line, as the command lines that run them."""
-    from titan_core.data import load_tokenizer
-    from titan_core.planning.hardware import hardware_profile
-    from titan_core.planning.recommend import recommend
-
     hardware_name, _, overrides = split_flags(argv)
     hardware = hardware_profile(hardware_name)
     config = composed(overrides)
@@ -110,7 +91,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(plan_costs(sys.argv[1:] if argv is None else argv))
     except ConfigError as error:
-        from titan_core.run import EXIT_BAD_INPUT
-
         print(f"titan-core: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -3,5 +3,5 @@
 ``facts.py`` measures the model (parameters, kept activations) on the meta device; ``estimate.py`` is the
 ledger the plugins change through their ``estimate_costs`` hook; ``costs.py`` runs the hooks and prints the
 sum; ``hardware.py`` holds the accelerator profiles, which the training metrics' MFU reads too; ``cli.py`` is
-``python -m titan_core.plan``.
+``python -m titan_core.planner``.
 """

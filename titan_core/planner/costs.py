@@ -7,13 +7,15 @@ import functools
 import torch
 
 from titan_core.errors import ConfigError
-from titan_core.plan import Hooks, Plan
-from titan_core.planning.estimate import CATEGORIES, GIB, Estimate, evaluated
-from titan_core.planning.facts import model_facts, optimizer_traffic
-from titan_core.planning.hardware import Hardware
+from titan_core.mesh import device_kind
+from titan_core.plan import Plan
+from titan_core.planner.estimate import CATEGORIES, GIB, Estimate, evaluated
+from titan_core.planner.facts import model_facts, optimizer_facts
+from titan_core.planner.hardware import Hardware, by_device_name, cpu_measured
+from titan_core.plugins import Hooks, Registry
 
 
-def estimate(config, plan: Plan, pm, hardware: Hardware, traced: dict | None = None) -> Estimate:
+def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced: dict | None = None) -> Estimate:
     """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
     ``traced`` keeps the model's facts by dtype (and the optimizer's traffic) between estimates of the same model
     and sequence length."""
@@ -21,7 +23,8 @@ def estimate(config, plan: Plan, pm, hardware: Hardware, traced: dict | None = N
 
     def facts_in(dtype: torch.dtype):
         if dtype not in traced:
-            traced[dtype] = model_facts(plan.model, pm.hook.build_model, dtype, config.training.seq_len)
+            traced[dtype] = model_facts(plan.model, functools.partial(registry.call, registry.model, "build_model"),
+                                        dtype, config.training.seq_len)
         return traced[dtype]
 
     training = config.training
@@ -29,12 +32,13 @@ def estimate(config, plan: Plan, pm, hardware: Hardware, traced: dict | None = N
                       device_type=hardware.device_type,
                       blocks=list(range(plan.model.n_layers)),
                       microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps)
-    hooks = Hooks(pm, plan, config)
+    hooks = Hooks(registry, plan, config)
     if "optimizer" not in traced:
-        traced["optimizer"] = optimizer_traffic(functools.partial(hooks.first, "build_optimizer"), config)
-    result.optimizer_bytes = traced["optimizer"]
+        traced["optimizer"] = optimizer_facts(functools.partial(hooks.first, "build_optimizer"), config)
+    result.optimizer_bytes = traced["optimizer"].traffic
+    result.optimizer_state_bytes = traced["optimizer"].state
     for name in (p.name for p in plan.plugins):
-        if any(impl.plugin_name == name for impl in pm.hook.estimate_costs.get_hookimpls()):
+        if registry.implements(name, "estimate_costs"):
             hooks.call(name, "estimate_costs", estimate=result, config=config)
             result.counted.append(name)
         else:
@@ -83,20 +87,16 @@ def report(result: Estimate) -> str:
 def estimate_here(config, plan: Plan) -> str:
     """The estimate on the devices this job would run on (the dry run's): the GPU's profile, or this CPU
     measured now."""
-    from titan_core.mesh import device_kind
-    from titan_core.plan import plugin_manager
-    from titan_core.planning.hardware import by_device_name, cpu_measured
-
     if device_kind(config.launch.device) == "cuda":
         name = torch.cuda.get_device_name()
         hardware = by_device_name(name)
         if hardware is None:
-            return (f"titan-core estimate: no profile for '{name}'; plan it with python -m titan_core.plan "
+            return (f"titan-core estimate: no profile for '{name}'; plan it with python -m titan_core.planner "
                     "--hardware <a YAML file of its figures>")
     else:
         hardware = cpu_measured()
     try:
-        return report(estimate(config, plan, plugin_manager(config), hardware))
+        return report(estimate(config, plan, Registry(config), hardware))
     except ConfigError as error:  # the job itself was checked: what the planner cannot price is no reason to stop
         return f"titan-core estimate: not available: {error}"
 

@@ -21,9 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
+from titan_core.planner.facts import timed_step
 
 ACHIEVABLE = 0.37
 # Of a device's memory, what a plan may fill: the rest goes to the CUDA context, the kernels' workspaces and
@@ -104,7 +107,7 @@ def hardware_profile(name: str) -> Hardware:
             return Hardware(**fields)
         except TypeError as error:
             raise ConfigError("--hardware", f"{path}: {error}",
-                              f"use the fields of titan_core.planning.hardware.Hardware") from None
+                              "use the fields of titan_core.planner.hardware.Hardware") from None
     choices = ", ".join([*known, *ALIASES, CPU_MEASURED])
     raise ConfigError("--hardware", f"unknown hardware '{name}'", f"use one of {choices}, or a YAML file")
 
@@ -113,25 +116,32 @@ def cpu_measured() -> Hardware:
     """This machine, measured now as one worker sees it (one thread): a float32 matmul's speed, a memory
     copy's and a loopback socket's bandwidth (what gloo moves over between local workers), a gloo all-reduce's
     latency and an eager operator's host time; all its workers on one node, sharing its cores."""
-    import torch
-
-    from titan_core.metrics import measured_matmul_tflops
-
     link = loopback_gbps()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tflops, copy_gbps, op_us = measured_matmul_tflops(), _copy_gbps(torch), _op_overhead_us(torch)
+        tflops, copy_gbps, op_us = measured_matmul_tflops(), _copy_gbps(), _op_overhead_us()
     finally:
         torch.set_num_threads(threads)
     return Hardware(CPU_MEASURED, "", bf16_tflops=tflops, memory_gib=memory, memory_gbps=copy_gbps,
                     intra_node_gbps=link, inter_node_gbps=link, devices_per_node=1 << 20, achievable=1.0,
-                    collective_latency_us=_gloo_latency_us(torch), op_overhead_us=op_us,
+                    collective_latency_us=_gloo_latency_us(), op_overhead_us=op_us,
                     device_type="cpu", cores=os.cpu_count())
 
 
-def _copy_gbps(torch) -> float:
+def measured_matmul_tflops(size: int = 1024, seconds: float = 0.3) -> float:
+    """TFLOPS of a float32 matmul on this CPU, on the threads torch has now."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up: first call pays for thread pool start-up
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        runs += 1
+    return 2 * size**3 * runs / (time.perf_counter() - start) / 1e12
+
+
+def _copy_gbps() -> float:
     source = torch.empty(64 << 20, dtype=torch.uint8)
     target = torch.empty_like(source)
     target.copy_(source)
@@ -141,21 +151,17 @@ def _copy_gbps(torch) -> float:
     return 4 * 2 * source.numel() / (time.perf_counter() - start) / 1e9
 
 
-def _op_overhead_us(torch, repeats: int = 200) -> float:
+def _op_overhead_us(repeats: int = 200) -> float:
     """Microseconds per operator of a forward and backward on tensors too small for arithmetic to count."""
-    from titan_core.planning.facts import timed_step
-
     weight, inputs = torch.zeros(4, 4, requires_grad=True), torch.zeros(2, 4)
     seconds, operators = timed_step(
         lambda: torch.nn.functional.linear(inputs, weight).mul(2).relu().sum().backward(), repeats)
     return seconds / operators * 1e6
 
 
-def _gloo_latency_us(torch, rounds: int = 5, repeats: int = 20) -> float:
+def _gloo_latency_us(rounds: int = 5, repeats: int = 20) -> float:
     """Microseconds of a small all-reduce between two gloo ranks, run as two threads of this process: the
     fastest of a few rounds, as the machine's other work slows some."""
-    import torch.distributed as dist
-
     store, seconds = dist.HashStore(), []
 
     def rank(index: int) -> None:

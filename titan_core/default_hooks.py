@@ -1,4 +1,5 @@
-"""The core's own answers to the builder hooks; any enabled plugin that implements one replaces it."""
+"""The core's own answers to the builder hooks, registered as the plugin ``titan_core``: any enabled plugin
+that implements one of these hooks replaces the core's answer."""
 
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ class ForwardBackward:
         return self.loss_fn(self.model(inputs, **model_kwargs), labels)
 
 
-@hookimpl(trylast=True)
+@hookimpl
 def build_schedule(model_parts, config, loss_fn):
     if len(model_parts) != 1:
         raise RuntimeError(f"{len(model_parts)} model parts but no plugin builds a schedule for them")
     return ForwardBackward(model_parts[0], loss_fn, config.training.grad_accum_steps)
 
 
-@hookimpl(trylast=True)
+@hookimpl
 def build_optimizer(model_parts, config):
     opt = config.optimizer
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
@@ -51,7 +52,7 @@ def build_optimizer(model_parts, config):
 ADAMW_IMPLEMENTATIONS = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
-@hookimpl(trylast=True)
+@hookimpl
 def build_lr_scheduler(optimizer, config):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config))
 
@@ -73,7 +74,7 @@ def lr_schedule(config):
     return factor
 
 
-@hookimpl(trylast=True)
+@hookimpl
 def build_dataloader(config, tokenizer, dp_rank, dp_size):
     """The core's loader: prepared token shards read by offset, or documents packed by every rank."""
     return training_loader(config, tokenizer, dp_rank, dp_size)

@@ -1,4 +1,4 @@
-"""``python -m titan_core.plan --recommend``: the fastest plans that fit a cluster, as command lines.
+"""``python -m titan_core.planner --recommend``: the fastest plans that fit a cluster, as command lines.
 
 The candidates are the plugins the command line enables: each says, through its ``plan_options`` hook, which
 settings are worth trying on this cluster (and whether it may be left out). Every combination is checked as
@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
-from titan_core.plan import build_plan, call_plugin, enabled_plugin_names, plugin_manager
-from titan_core.planning.costs import estimate
-from titan_core.planning.estimate import GIB
-from titan_core.planning.hardware import Hardware
+from titan_core.launch.checks import check_job
+from titan_core.planner.costs import estimate
+from titan_core.planner.estimate import GIB
+from titan_core.planner.hardware import Hardware
+from titan_core.plugins import Registry, build_plan, enabled_plugin_names
 
 
 @dataclass(frozen=True)
@@ -48,28 +49,27 @@ def recommend(config, hardware: Hardware, vocab_size: int, top: int = 5) -> tupl
     if not names:
         raise ConfigError("plugins", "--recommend chooses among the plugins the command line enables, and it "
                           "enables none", "list the candidates, e.g. +plugins=[fsdp,tp,pp,ac,compile,float8]")
-    pm = plugin_manager(config)
-    model = pm.hook.describe_model(model_config=config.model, vocab_size=vocab_size, seq_len=config.training.seq_len)
-    alternatives = {name: call_plugin(pm, "plan_options", name, config=config, plugin_config=config.plugins[name],
-                                      model=model, world_size=world, hardware=hardware) or [{}] for name in names}
+    registry = Registry(config)
+    model = registry.describe_model(config, vocab_size)
+    alternatives = {name: registry.call(name, "plan_options", config=config, plugin_config=config.plugins[name],
+                                        model=model, world_size=world, hardware=hardware) or [{}] for name in names}
     combinations = [dict(zip(alternatives, values)) for values in itertools.product(*alternatives.values())]
     traced = {}  # the model's facts, measured once for every candidate
-    estimated = (_estimated(config, choice, pm, hardware, vocab_size, traced) for choice in combinations)
+    estimated = (_estimated(config, choice, registry, hardware, vocab_size, traced) for choice in combinations)
     fitting = [c for c in estimated if c is not None and c.memory_gib <= hardware.usable_gib]
     return sorted(fitting, key=lambda c: -c.tokens_per_device)[:top], len(combinations)
 
 
-def _estimated(config, choice: dict, pm, hardware: Hardware, vocab_size: int, traced: dict) -> Candidate | None:
-    from titan_core.run import check_job
-
+def _estimated(config, choice: dict, registry: Registry, hardware: Hardware, vocab_size: int,
+               traced: dict) -> Candidate | None:
     values = OmegaConf.to_container(config)
     values["plugins"] = {name: {**values["plugins"][name], **options} for name, options in choice.items()
                          if options is not None}
     job = OmegaConf.create(values)
     try:
-        plan = build_plan(job, pm, None, vocab_size)
+        plan = build_plan(job, registry, None, vocab_size)
         check_job(job, plan)
-        result = estimate(job, plan, pm, hardware, traced=traced)
+        result = estimate(job, plan, registry, hardware, traced=traced)
     except ConfigError as error:
         if error.field == "model.name":  # the model itself cannot be planned: no candidate can
             raise

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from titan_core.plan import Plan, installed_models
+from titan_core.plan import Plan
+from titan_core.plugins import installed_models
 
 
 def distributions(plan: Plan, model_name: str) -> list[str]:

@@ -1,0 +1,143 @@
+"""The core's own checks of a composed job, and the plan they yield: every number, the batch split, the
+optimizer, the attention mask, the data and the devices. The plugins' checks run in ``build_plan``; together
+they find everything that can be wrong with the input before any worker starts."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from omegaconf import OmegaConf
+
+from titan_core.attention import MASKS
+from titan_core.data import check_data, load_tokenizer
+from titan_core.default_hooks import ADAMW_IMPLEMENTATIONS
+from titan_core.description import CORE_ATTENTION
+from titan_core.errors import ConfigError
+from titan_core.launch.cluster import Nodes, allocated_world_size, workers_per_node
+from titan_core.launch.run_dir import under_torchrun
+from titan_core.mesh import device_kind
+from titan_core.plan import Plan
+from titan_core.plugins import Registry, build_plan
+from titan_core.schema import check_config_kinds
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The core's numeric options: the field, whether a value is acceptable, and what is. Checked before launch.
+NUMBERS = (
+    ("training.max_norm", lambda v: v is None or _number(v) and v > 0, "a positive number, or null for no clipping"),
+    ("training.seed", lambda v: _count(v) and v >= 0, "an integer >= 0"),
+    ("optimizer.lr", lambda v: _number(v) and v > 0, "a positive number"),
+    ("optimizer.betas", lambda v: isinstance(v, list) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+     "two numbers in [0, 1), such as [0.9, 0.95]"),
+    ("optimizer.eps", lambda v: _number(v) and v > 0, "a positive number"),
+    ("optimizer.weight_decay", lambda v: _number(v) and v >= 0, "a number >= 0"),
+    ("lr_scheduler.warmup_steps", lambda v: _count(v) and v >= 0, "an integer >= 0"),
+    ("lr_scheduler.min_lr_ratio", lambda v: _number(v) and 0 <= v <= 1, "a number from 0 to 1"),
+    ("metrics.log_every", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("validation.every", lambda v: _count(v) and v >= 0, "an integer >= 0 (0: no validation)"),
+    ("validation.batches", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("data.prefetch", lambda v: _count(v) and v >= 0, "an integer >= 0 (0: each batch made in the step)"),
+    ("validation.holdout_every", lambda v: _count(v) and v >= 2, "an integer >= 2"),
+    ("metrics.peak_tflops", lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
+    ("metrics.profile_steps", lambda v: v == [] or isinstance(v, list) and len(v) == 2 and all(map(_count, v))
+     and 1 <= v[0] <= v[1], "[first, last], steps from 1 with first <= last (or [] for no profiling)"),
+    ("launch.world_size", lambda v: v is None or _count(v) and v >= 1, "a positive integer, or null"),
+    ("launch.max_restarts", lambda v: _count(v) and v >= 0, "an integer >= 0"),
+    ("launch.cpu_threads_per_worker", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("launch.init_timeout_s", lambda v: _number(v) and v > 0, "a positive number of seconds"),
+    ("launch.hang_timeout_s", lambda v: _number(v) and v > 0, "a positive number of seconds"),
+    ("launch.stop_timeout_s", lambda v: _number(v) and v > 0, "a positive number of seconds"),
+)
+
+
+def check_numbers(config) -> None:
+    for field, acceptable, what in NUMBERS:
+        value = OmegaConf.select(config, field)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if not acceptable(value):
+            raise ConfigError(field, f"{value!r} is not {what}", f"set {field} to {what}")
+
+
+def check_job(config, plan: Plan) -> None:
+    """The core's own checks of the job, wherever it will run; the plugins' ran in build_plan."""
+    check_numbers(config)
+    training = config.training
+    if not isinstance(training.steps, int) or training.steps < 0:
+        raise ConfigError("training.steps", f"{training.steps!r} is not an integer >= 0",
+                          "set the number of optimizer steps (0 builds and initializes only)")
+    for field in ("global_batch_size", "seq_len", "grad_accum_steps"):
+        if not isinstance(training[field], int) or training[field] < 1:
+            raise ConfigError(f"training.{field}", f"{training[field]!r} is not a positive integer",
+                              "set a positive integer")
+    split = plan.dp_size * training.grad_accum_steps
+    if training.global_batch_size % split:
+        raise ConfigError("training.global_batch_size",
+                          f"{training.global_batch_size} sequences do not split over {plan.dp_size} data-parallel "
+                          f"rank(s) x {training.grad_accum_steps} micro-batch(es)",
+                          f"use a multiple of {split}")
+    check_optimizer(config.optimizer)
+    check_attention_mask(training.attention_mask, plan)
+    if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
+        raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
+                          "use cosine, linear or none")
+    check_data(config)
+
+
+def check_devices(launch, local_ranks: int) -> None:
+    """The device kind exists here and each local rank gets a GPU of its own."""
+    if launch.device not in (None, "cpu", "cuda"):
+        raise ConfigError("launch.device", f"unknown device '{launch.device}'", "use cpu, cuda or null")
+    kind = device_kind(launch.device)
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("launch.device", "this machine has no CUDA device", "set launch.device=cpu (or null)")
+    if kind == "cpu" and launch.backend == "nccl":
+        raise ConfigError("launch.backend", "nccl needs CUDA devices and this job runs on the CPU",
+                          "set launch.backend=gloo (or null)")
+    local_ranks = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else local_ranks
+    if kind == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ConfigError("launch.world_size", f"{local_ranks} ranks on this machine but {torch.cuda.device_count()} "
+                          "GPU(s): two ranks would share one", "start at most one rank per GPU (torchrun "
+                          "--nproc-per-node, launch.world_size, the degrees), or set launch.device=cpu")
+
+
+def check_attention_mask(mask: str, plan: Plan) -> None:
+    if mask not in MASKS:
+        raise ConfigError("training.attention_mask", f"unknown mask '{mask}'", f"use one of {', '.join(MASKS)}")
+    if mask == "block_causal" and plan.model.attention != CORE_ATTENTION:
+        raise ConfigError("training.attention_mask", f"model '{plan.model.family}' attends through "
+                          f"'{plan.model.attention}', which cannot mask documents (block_causal needs "
+                          f"ModelDescription.attention = '{CORE_ATTENTION}')", "set training.attention_mask=causal")
+
+
+def check_optimizer(optimizer) -> None:
+    if optimizer.implementation is not None and optimizer.implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ConfigError("optimizer.implementation", f"unknown AdamW implementation '{optimizer.implementation}'",
+                          f"use one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    if optimizer.state_dtype not in ("float32", "bfloat16"):
+        raise ConfigError("optimizer.state_dtype", f"unsupported state dtype '{optimizer.state_dtype}'",
+                          "use float32 or bfloat16")
+    if optimizer.state_dtype != "float32" and optimizer.implementation not in (None, "for_loop"):
+        raise ConfigError("optimizer.implementation", f"'{optimizer.implementation}' keeps float32 states, but "
+                          f"optimizer.state_dtype={optimizer.state_dtype} updates one parameter at a time",
+                          "set optimizer.implementation=null (or for_loop)")
+
+
+def prepare(config, nodes: Nodes) -> Plan:
+    """Validate everything and return the plan; raises ConfigError on bad input."""
+    check_config_kinds(config)
+    world_size = (int(os.environ["WORLD_SIZE"]) if under_torchrun() else
+                  allocated_world_size(nodes, config.launch.device))
+    vocab_size = load_tokenizer(config.tokenizer).vocab_size
+    plan = build_plan(config, Registry(config), world_size, vocab_size)
+    check_job(config, plan)
+    check_devices(config.launch, workers_per_node(plan.world_size, nodes))
+    return plan

@@ -1,0 +1,124 @@
+"""``python -m titan_core.run [overrides]``: compose the config, check the plan, then train.
+
+Everything that can be wrong with the input is found in the launching process and reported as one line
+with exit code 2 before any worker starts. Then the job runs in this process (one rank, or each rank under
+torchrun), or in ``world_size`` local workers started with torch's elastic launcher. SIGTERM or SIGINT makes
+the workers finish their step and save (titan_core.preemption); the launcher then exits with 143 or 130.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from titan_core.errors import EXIT_BAD_INPUT, ConfigError
+from titan_core.launch.checks import prepare
+from titan_core.launch.cluster import Nodes, job_nodes, workers_per_node
+from titan_core.launch.command_line import check_command_line, register_with_hydra
+from titan_core.launch.provenance import write_run_record
+from titan_core.launch.worker import train, worker_main
+from titan_core.launch.run_dir import under_torchrun
+from titan_core.planner.costs import estimate_here
+from titan_core.preemption import exit_code
+
+
+@hydra.main(config_path="pkg://titan_core.conf", config_name="config", version_base=None)
+def hydra_main(config) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if under_torchrun() and os.environ["RANK"] != "0":
+        # Rank 0 checks the job for every rank (what it reads is read once); if it refuses the job it exits
+        # before the process group forms, and torchrun stops the others.
+        if not config.launch.dry_run:
+            _exit_if_stopped(train(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), run_dir))
+        return
+    try:
+        nodes = job_nodes()
+        plan = prepare(config, nodes)
+    except ConfigError as error:
+        print(f"titan-core: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    config = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+    if nodes.index == 0:
+        print(plan.describe(), flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(config, run_dir / "config.yaml")
+        write_run_record(run_dir, HydraConfig.get().overrides.task, plan, config.model.name, nodes.count)
+    if config.launch.dry_run:
+        if nodes.index == 0:
+            print(estimate_here(config, plan), flush=True)
+        return
+    if under_torchrun() or plan.world_size == 1:
+        _exit_if_stopped(train(config, run_dir))
+    else:
+        launch_workers(config, run_dir, plan.world_size, nodes)
+
+
+def _exit_if_stopped(stopped) -> None:
+    """A run stopped by a signal ends the process (and a sweep) with the shell's code for that signal; the
+    workers' rank 0 has said where its state was saved."""
+    if stopped is not None:
+        sys.exit(exit_code(stopped))
+
+
+def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None:
+    """Start this node's share of ``world_size`` workers with torch's elastic agent.
+
+    On one machine the rendezvous listens on a free port chosen by the OS (a fixed port collides with
+    any other job on the machine); the agents of a multi-node job meet on its first node. On SIGTERM or SIGINT
+    the agent passes the signal on to the workers, which finish their step and save, and kills those still
+    running after ``launch.stop_timeout_s``.
+    """
+    elastic = run_dir / "elastic" / (f"node{nodes.index}" if nodes.count > 1 else "")
+    launch_config = LaunchConfig(
+        min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=workers_per_node(world_size, nodes),
+        run_id=nodes.run_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rendezvous,
+        max_restarts=config.launch.max_restarts, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(elastic)), shutdown_timeout=int(config.launch.stop_timeout_s))
+    _agent_logs_to(elastic / "agent.log")
+    try:
+        # The config goes as text: the other nodes' workers must not wait for the first node's config.yaml.
+        elastic_launch(launch_config, worker_main)(OmegaConf.to_yaml(config), str(run_dir))
+    except SignalException as stop:
+        sys.exit(exit_code(stop.sigval))
+    except ChildFailedError as error:
+        for rank, failure in sorted(error.failures.items()):
+            print(f"titan-core: worker rank {rank} failed (exit code {failure.exitcode}); "
+                  f"see {run_dir / 'logs' / f'rank{rank}.log'}", file=sys.stderr)
+            if failure.message:
+                print(f"  {str(failure.message).strip().splitlines()[-1]}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _agent_logs_to(path: Path) -> None:
+    """torch's elastic agent logs each failure as a traceback of its own polling and each stop of a worker;
+    the failing rank's one line and ours below say what to act on, so the agent's records go to a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = [handler], False
+
+
+def main() -> None:
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as error:
+        print(f"titan-core: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        # One rank writes Hydra's own files; the others would race on them.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    register_with_hydra()
+    hydra_main()
+    gc.freeze()  # as worker_main does: the exit skips freeing torch's objects one by one

@@ -1,0 +1,128 @@
+"""A rank of the job: its device, its log, its process group; then the training loop, and one line for each way
+it can end (finished, stopped by a signal, failed).
+
+Runs in the launching process itself for a single-process job, in each worker the launcher starts
+(``worker_main``), or in each rank of a torchrun job.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from titan_core.data import shared_tokenizer
+from titan_core.errors import EXIT_BAD_INPUT, ConfigError
+from titan_core.mesh import cpu_threads, device_for_rank
+from titan_core.plugins import Hooks, Registry, build_plan
+from titan_core.preemption import StopSignals, exit_code
+from titan_core.train import Trainer
+
+log = logging.getLogger("titan_core")
+
+
+def worker_main(config_yaml: str, run_dir: str) -> None:
+    """Entry point of a launched worker (module-level so that spawned interpreters can import it)."""
+    stopped = train(OmegaConf.create(config_yaml), Path(run_dir))
+    # At exit the interpreter collects and frees every object torch made (~1 s a process here); frozen ones
+    # are left to the OS.
+    gc.freeze()
+    if stopped is not None:
+        raise SystemExit(exit_code(stopped))
+
+
+def train(config, run_dir: Path) -> signal.Signals | None:
+    """This rank's share of the job; returns the signal that stopped it before its last step, or None."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), config.launch.device)
+    _configure_logging(run_dir, rank)
+    if device.type == "cpu" and (threads := cpu_threads(config.launch, world_size)):
+        torch.set_num_threads(threads)
+    backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, store=_rendezvous_store(rank, world_size), rank=rank, world_size=world_size,
+                            device_id=device if device.type == "cuda" else None,
+                            timeout=timedelta(seconds=config.launch.init_timeout_s))
+    hooks, trainer = None, None
+    try:
+        with StopSignals(world_size) as stop:
+            registry = Registry(config)
+            tokenizer = shared_tokenizer(config.tokenizer)
+            plan = build_plan(config, registry, world_size, tokenizer.vocab_size, validate=False)  # checked before
+            hooks = Hooks(registry, plan, config)
+            trainer = Trainer(config, run_dir, hooks, tokenizer, device, rank)
+            return trainer.run(stop)
+    except Exception as error:
+        if hooks is not None:
+            _tell_plugins(hooks, error, trainer.state.step if trainer is not None else 0, config)
+        raise SystemExit(_one_line(error, rank, run_dir, config)) from None
+    finally:
+        dist.destroy_process_group()
+
+
+def _tell_plugins(hooks: Hooks, error: Exception, step: int, config) -> None:
+    """The ``on_error`` event, every plugin's answer given its chance whatever another's raises."""
+    for name in hooks.implementing("on_error"):
+        try:
+            hooks.call(name, "on_error", error=error, step=step, config=config)
+        except Exception:
+            log.exception("the on_error hook of %s failed too", name)
+
+
+def _one_line(error: Exception, rank: int, run_dir: Path, config) -> int:
+    """Print the one line a user sees for ``error`` (its traceback goes to this rank's log); the exit code."""
+    if isinstance(error, (ConfigError, FloatingPointError)):
+        # Bad input found only once the model exists, or a diverged run.
+        kind, code = ("error", EXIT_BAD_INPUT) if isinstance(error, ConfigError) else ("stopped", 1)
+        log.error("%s", error)
+        print(f"titan-core: {kind}: {error}", file=sys.stderr, flush=True)
+        return code
+    log.exception("rank %d failed", rank)
+    message = str(error).lower()
+    hint = (f" (a collective waited past its timeout, launch.hang_timeout_s={config.launch.hang_timeout_s}: "
+            "another rank stopped responding, or died)" if "timed out" in message else
+            " (another rank ended first: its own line says why)" if "connection closed" in message else "")
+    print(f"titan-core: rank {rank} failed: {type(error).__name__}: {str(error).strip().splitlines()[-1]}{hint}; "
+          f"traceback in {run_dir / 'logs' / f'rank{rank}.log'}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _rendezvous_store(rank: int, world_size: int) -> dist.Store:
+    """The store the ranks meet in: one per attempt of the world.
+
+    torchelastic's agent keeps one store across restarts of the world and hands it to every attempt
+    unprefixed, so a restarted gloo group would read the dead attempt's addresses and connect to dead
+    peers ("Connection refused"); each attempt gets its own key prefix here.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a single process started without a launcher: a one-rank world
+        return dist.HashStore()
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts)
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def _configure_logging(run_dir: Path, rank: int) -> None:
+    """Every rank logs to logs/rank<r>.log in the run dir; rank 0 also to the console."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("titan_core")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s", "%H:%M:%S")
+    handlers = [logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+        handlers[-1].addFilter(lambda record: not record.exc_info)  # tracebacks stay in the file
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)

@@ -1,0 +1,272 @@
+"""Find the installed plugins, make the run's plugin objects, and call their hooks the core's way.
+
+pluggy finds and checks the implementations; the core decides who is called and in what order. Each
+plugin is called on its own, with its own options (``plugin_config``), through pluggy's hook callers
+(``subset_hook_caller``), in plan order for ordered hooks and events, or alone for a builder. Because
+no call spans several plugins, pluggy's ordering options (``tryfirst``, ``trylast``) and wrappers have
+nothing to act on: an implementation that asks for them is refused before launch, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable, Mapping
+from importlib.metadata import EntryPoint, entry_points
+
+import pluggy
+import torch
+
+from titan_core import default_hooks, hookspecs
+from titan_core.description import ModelDescription
+from titan_core.errors import ConfigError
+from titan_core.mesh import device_kind
+from titan_core.plan import Declaration, Plan, PlannedPlugin, make_plan
+from titan_core.schema import CONF_GROUP, option_files
+from titan_core.train_state import Stateful
+
+PLUGIN_GROUP = "titan_core.plugins"
+MODEL_GROUP = "titan_core.models"
+CORE = "titan_core"  # the name the core's own default hooks are registered under
+# Every plugin option file carries this key, so that nodes made by `++plugins.x.y=...` are told apart.
+PLUGIN_MARKER = "_plugin_"
+BUILDER_HOOKS = ("describe_model", "build_model", "build_schedule", "build_optimizer", "build_lr_scheduler",
+                 "build_dataloader", "save_checkpoint", "load_checkpoint")
+# pluggy's options that order or wrap the implementations of one call: each call here has one implementation.
+UNHONOURED = ("wrapper", "hookwrapper", "tryfirst", "trylast")
+
+
+def installed_plugins() -> dict[str, EntryPoint]:
+    """Entry points of ``titan_core.plugins`` by name; two distributions using one name is an error.
+
+    pluggy's own loader would silently keep the first of two, so the core checks this itself.
+    """
+    return _entry_points(PLUGIN_GROUP, "plugins")
+
+
+def installed_models() -> dict[str, EntryPoint]:
+    """Entry points of ``titan_core.models`` by name (the ``model.name`` that selects each)."""
+    return _entry_points(MODEL_GROUP, "model")
+
+
+def _entry_points(group: str, field_prefix: str) -> dict[str, EntryPoint]:
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=group):
+        other = found.get(ep.name)
+        if other is not None and other.value != ep.value:
+            raise ConfigError(
+                f"{field_prefix}.{ep.name}",
+                f"two installed distributions register '{ep.name}' in {group} "
+                f"({distribution_name(other)}: {other.value}; {distribution_name(ep)}: {ep.value})",
+                "uninstall one of them (pip uninstall ...)")
+        found[ep.name] = ep
+    return found
+
+
+def distribution_name(ep: EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "unknown distribution"
+
+
+def config_options(group: str) -> set[str]:
+    """Names of the ``<group>/<name>.yaml`` options (``plugins``, ``model``) that the core and the installed
+    distributions ship."""
+    return set(option_files(group))
+
+
+def check_plugin_names(names) -> None:
+    """Fail on a requested plugin that is not installed, before Hydra tries to compose it."""
+    installed, options = installed_plugins(), config_options("plugins")
+    for name in names:
+        if name not in installed:
+            known = ", ".join(sorted(installed)) or "none"
+            raise ConfigError(f"plugins={name}", f"no installed plugin is named '{name}' (installed: {known})",
+                              f"install the distribution that provides it, or pick one of: {known}")
+        if name not in options:
+            raise ConfigError(f"plugins={name}", f"plugin '{name}' is installed but ships no plugins/{name}.yaml",
+                              f"add a '{CONF_GROUP}' entry point to its distribution pointing at its conf package")
+
+
+def enabled_plugin_names(config) -> list[str]:
+    """The keys of ``config.plugins``, each checked to be a real plugin option, not a stray override."""
+    names = []
+    for name, node in (config.get("plugins") or {}).items():
+        if not isinstance(node, Mapping) or node.get(PLUGIN_MARKER) != name:
+            raise ConfigError(f"plugins.{name}", "is set but the plugin is not enabled",
+                              f"enable it with +plugins=[{name}] (or remove the override)")
+        names.append(name)
+    return names
+
+
+def model_name(config) -> str:
+    """The model plugin ``config.model.name`` selects, checked to be installed."""
+    name = (config.get("model") or {}).get("name")
+    installed = installed_models()
+    if name not in installed:
+        known = ", ".join(sorted(installed)) or "none"
+        raise ConfigError("model.name", f"no installed model plugin is named '{name}' (installed: {known})",
+                          "pick a model preset with model=<preset>, or install the model's distribution")
+    return name
+
+
+def plugin_object(entry_point: EntryPoint) -> object:
+    """The object registered for one run: the module or instance the entry point names, or what the class or
+    factory it names makes, called with no arguments (a fresh object per run, so no state leaks into the
+    next job of a sweep run in the same process)."""
+    loaded = entry_point.load()
+    return loaded() if inspect.isclass(loaded) or inspect.isfunction(loaded) else loaded
+
+
+class Registry:
+    """The plugin objects of one run in one pluggy manager: the core's defaults, the model plugin and each
+    enabled plugin, checked against the hook contract before anything runs."""
+
+    def __init__(self, config, model_only: bool = False):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.model = model_name(config)
+        self.names = [] if model_only else enabled_plugin_names(config)
+        self.objects: dict[str, object] = {} if model_only else {CORE: default_hooks}
+        self.objects[self.model] = plugin_object(installed_models()[self.model])
+        installed = installed_plugins()
+        for name in self.names:
+            check_plugin_names([name])
+            self.objects[name] = plugin_object(installed[name])
+        self.distributions = {name: distribution_name(installed[name]) for name in self.names}
+        for name, plugin in self.objects.items():
+            self._register(plugin, name)
+        self._check()
+        self._callers: dict[tuple[str, str], pluggy.HookCaller] = {}
+
+    def field(self, name: str) -> str:
+        """The config field a user sets to change plugin ``name``."""
+        return "model.name" if name == self.model else f"plugins.{name}"
+
+    def _register(self, plugin, name: str) -> None:
+        if not isinstance(plugin, Hashable):  # pluggy keeps plugins in sets
+            raise ConfigError(self.field(name), f"plugin '{name}' is an object that cannot be hashed (its class "
+                              "compares by value, as @dataclass does)", "use @dataclass(eq=False), or no __eq__")
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as error:
+            raise ConfigError(self.field(name), f"plugin '{name}' does not fit the hook contract: {error}",
+                              "fix the hook implementation's arguments (see titan_core.hookspecs)") from None
+
+    def _check(self) -> None:
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as error:
+            raise ConfigError(self.field(self.pm.get_name(error.plugin)),
+                              f"{error}".splitlines()[0].split(" in plugin ")[0],
+                              "rename the function to one of the hooks in titan_core.hookspecs") from None
+        for hook_name in self.pm.hook.__dict__:
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                unhonoured = [option for option in UNHONOURED if getattr(impl, option)]
+                if unhonoured and impl.plugin_name != CORE:
+                    raise ConfigError(self.field(impl.plugin_name), f"its {hook_name} is marked "
+                                      f"{', '.join(f'{o}=True' for o in unhonoured)}, which titan-core cannot honour: "
+                                      f"the core calls each plugin's {hook_name} on its own, in plan order",
+                                      "remove it from @hookimpl(...) (Declaration.stage orders model transforms)")
+        for hook_name in BUILDER_HOOKS:
+            owners = [name for name in self.objects if name != CORE and self.implements(name, hook_name)]
+            if len(owners) > 1:
+                raise ConfigError(f"plugins=[{','.join(owners)}]",
+                                  f"each of {', '.join(owners)} implements {hook_name}, which needs one answer",
+                                  "enable only one of them")
+
+    def implements(self, plugin: str, hook_name: str) -> bool:
+        return any(impl.plugin_name == plugin for impl in getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    def call(self, plugin: str, hook_name: str, **kwargs):
+        """``plugin``'s implementation of the hook, through pluggy, or None when it has none."""
+        if not self.implements(plugin, hook_name):
+            return None
+        key = (hook_name, plugin)
+        if key not in self._callers:
+            others = [obj for name, obj in self.objects.items() if name != plugin and obj is not self.objects[plugin]]
+            self._callers[key] = self.pm.subset_hook_caller(hook_name, remove_plugins=others)
+        answer = self._callers[key](**kwargs)
+        return answer if self._callers[key].spec.opts.get("firstresult") else next(iter(answer), None)
+
+    def owner(self, hook_name: str) -> str | None:
+        """The one enabled plugin implementing a builder hook, else the core when it has a default."""
+        return next((name for name in self.objects if name != CORE and self.implements(name, hook_name)),
+                    CORE if self.implements(CORE, hook_name) else None)
+
+    def describe_model(self, config, vocab_size: int) -> ModelDescription:
+        """The model plugin's description of ``config.model``."""
+        description = self.call(self.model, "describe_model", model_config=config.model, vocab_size=vocab_size,
+                                seq_len=config.training.seq_len)
+        if not isinstance(description, ModelDescription):
+            raise ConfigError("model.name", f"model plugin '{self.model}' did not describe its model",
+                              "its describe_model hook must return a titan_core.ModelDescription")
+        return description
+
+    def stateful(self) -> dict[str, Stateful]:
+        """The plugin objects that keep state across a restart, by name."""
+        return {name: plugin for name, plugin in self.objects.items()
+                if name != CORE and isinstance(plugin, Stateful)}
+
+
+def model_description(config, vocab_size: int) -> ModelDescription:
+    """The description of ``config.model`` by its model plugin alone, for tools that train nothing."""
+    return Registry(config, model_only=True).describe_model(config, vocab_size)
+
+
+def build_meta_model(config, description: ModelDescription) -> torch.nn.Module:
+    """The described model on the meta device, built by its model plugin alone (for shape checks)."""
+    registry = Registry(config, model_only=True)
+    with torch.device("meta"):
+        return registry.call(registry.model, "build_model", description=description)
+
+
+class Hooks:
+    """Calls hooks the core's way once the plan is known: each plugin with its own options and the plan.
+
+    ``each`` calls every enabled plugin in plan order, then the model plugin, and returns their
+    non-None answers; ``first`` calls the one plugin that implements a builder hook, else the core's
+    default.
+    """
+
+    def __init__(self, registry: Registry, plan: Plan, config):
+        self.registry, self.plan = registry, plan
+        self.options = {p.name: config.plugins[p.name] for p in plan.plugins}
+        self.options[registry.model] = config.model
+        self.options[CORE] = None
+        self.order = [*(p.name for p in plan.plugins), registry.model]
+
+    def call(self, plugin: str, hook_name: str, **kwargs):
+        """``plugin``'s implementation of the hook with its own options, or None when it has none."""
+        return self.registry.call(plugin, hook_name, plugin_config=self.options[plugin], plan=self.plan, **kwargs)
+
+    def each(self, hook_name: str, **kwargs) -> list:
+        return [answer for name in self.order if (answer := self.call(name, hook_name, **kwargs)) is not None]
+
+    def first(self, hook_name: str, **kwargs):
+        owner = self.registry.owner(hook_name)
+        return None if owner is None else self.call(owner, hook_name, **kwargs)
+
+    def implementing(self, hook_name: str) -> list[str]:
+        """The plugins, in plan order, that implement ``hook_name``."""
+        return [name for name in self.order if self.registry.implements(name, hook_name)]
+
+
+def build_plan(config, registry: Registry, world_size: int | None, vocab_size: int, validate: bool = True) -> Plan:
+    """Describe the model, collect the declarations, order them, size the mesh and check conflicts.
+
+    ``world_size`` is the given world under torchrun, else None (see :func:`titan_core.plan.make_plan`). The
+    plugins' ``validate`` hooks run only where ``validate`` is set: in the launching process (under torchrun,
+    rank 0's), which checks the job once for every rank; the workers rebuild the plan unchecked.
+    """
+    description = registry.describe_model(config, vocab_size)
+    planned = []
+    for name in registry.names:
+        declaration = registry.call(name, "declare", config=config, plugin_config=config.plugins[name])
+        declaration = Declaration() if declaration is None and not registry.implements(name, "declare") else declaration
+        if not isinstance(declaration, Declaration):
+            raise ConfigError(f"plugins.{name}", "its declare hook did not return a titan_core.Declaration",
+                              "fix the plugin's declare hook")
+        planned.append(PlannedPlugin(name, registry.distributions[name], declaration))
+    local_gpus = torch.cuda.device_count() if device_kind(config.launch.get("device")) == "cuda" else 0
+    plan = make_plan(planned, description, world_size, config.launch.get("world_size"), local_gpus)
+    for p in plan.plugins if validate else ():
+        registry.call(p.name, "validate", config=config, plugin_config=config.plugins[p.name], plan=plan)
+    return plan
