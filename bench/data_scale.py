@@ -10,6 +10,9 @@ token shards read by offset).
    saved position (the text path now), and the token loader (goal: flat).
 3. The loader's share of a training step, made in the step (prefetch 0) or ahead on a thread (prefetch 1).
 4. Tokens/s of ``python -m titan_core.data.prepare`` with 1 and 2 worker processes.
+5. What checking every token costs a rank (checksums of the blocks it reads, ids against the vocabulary): the
+   loader's time per step with and without the checksums, and the bytes a rank reads to check them over the
+   same steps at degree 1, 8, 128 (goal: flat, not growing with what the other ranks read).
 Not a test: the machine is shared and noisy, so compare the ratios of one run.
 """
 
@@ -29,21 +32,26 @@ from omegaconf import OmegaConf
 from titan_core.data import Prefetcher, document_opener, load_tokenizer
 from titan_core.data.text import PackedLoader
 from titan_core.data.tokenizer import tokenizer_identity
-from titan_core.data.tokens import FORMAT, MANIFEST, Samples, TokenLoader, TokenShards, shard_files
+from titan_core.data.tokens import (CHECKSUM_BLOCK, FORMAT, MANIFEST, Samples, TokenLoader, TokenShards,
+                                    block_checksums, checksum_file, shard_files)
 
 SEQ, LOCAL = 8192, 2
 TOKENIZER = OmegaConf.create({"path": "builtin", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
 
 
-def synthetic_tokens(folder: Path, shards: int, per_shard: int) -> Path:
+def synthetic_tokens(folder: Path, shards: int, per_shard: int, checksums: bool = True) -> Path:
     """A prepared folder of random tokens (the loader's cost does not depend on what the ids are)."""
     folder.mkdir()
     rng = np.random.default_rng(0)
     for index in range(shards):
-        rng.integers(0, 2048, per_shard, dtype=np.uint16).tofile(folder / shard_files(index)[0])
+        tokens = rng.integers(0, 2048, per_shard, dtype=np.uint16)
+        tokens.tofile(folder / shard_files(index)[0])
+        np.save(folder / checksum_file(index), block_checksums(tokens.tobytes()))
     manifest = {"format": FORMAT, "tokenizer": tokenizer_identity(TOKENIZER), "dtype": "uint16",
                 "documents": 0, "tokens": shards * per_shard,
                 "shards": [{"documents": 0, "tokens": per_shard}] * shards}
+    if checksums:
+        manifest["checksum_block"] = CHECKSUM_BLOCK
     (folder / MANIFEST).write_text(json.dumps(manifest))
     return folder
 
@@ -171,6 +179,24 @@ def prepare_speed(folder: Path, quick: bool) -> None:
               "(with the start of the process)")
 
 
+def checking_cost(folder: Path, tokens: Path, quick: bool) -> None:
+    unchecked = synthetic_tokens(folder / "unchecked", 8, 2_000_000 if quick else 5_000_000, checksums=False)
+    steps = 200 if quick else 500
+    print(f"\n5. checking every token: loader time per step at dp 8 shapes, and bytes read to check over {steps} steps")
+    for name, prepared in (("ids only (no checksums)", unchecked), ("checksums and ids", tokens)):
+        samples = Samples(TokenShards(str(prepared), "data.path"), SEQ + 1, seed=0)
+        print(f"   {name:>24}: {per_step(TokenLoader([samples], ['synthetic'], [1.0], LOCAL * 8, 7, 8), steps):.6f} s")
+    print(f"{'dp':>6} {'checked bytes on the last rank':>32} {'ratio':>8}")
+    base = None
+    for dp in (1, 8, 128):
+        shards = TokenShards(str(tokens), "data.path")
+        loader = TokenLoader([Samples(shards, SEQ + 1, seed=0)], ["synthetic"], [1.0], LOCAL * dp, dp - 1, dp)
+        for _ in range(steps):
+            next(loader)
+        base = base or shards.verified_bytes
+        print(f"{dp:>6} {shards.verified_bytes:>32,} {shards.verified_bytes / base:>8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes: a minute instead of several")
@@ -183,6 +209,7 @@ def main() -> None:
         resumes(folder, tokens, quick)
         prefetch_share(tokens, quick)
         prepare_speed(folder, quick)
+        checking_cost(folder, tokens, quick)
 
 
 if __name__ == "__main__":

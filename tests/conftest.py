@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_core.data.prepare import main as prepare_main
 from titan_core.testing import install_plugins
 
 
@@ -16,6 +17,14 @@ def fake_plugins(tmp_path):
                    for name, (declaration, options) in plugins.items()}
         return install_plugins(tmp_path / "site", sources, distribution)
     return install
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> Path:
+    """The shipped corpus in byte tokens, three shards, tokenized by two processes (read only: copy to damage)."""
+    folder = tmp_path_factory.mktemp("tokens") / "builtin"
+    prepare_main([str(folder), "tokenizer.path=bytes", "--workers", "2", "--documents-per-shard", "500"])
+    return folder
 
 
 @pytest.fixture

@@ -45,11 +45,19 @@ def test_a_world_that_does_not_split_over_the_nodes_is_refused():
 @pytest.mark.parametrize("argv, message", [
     (["hydra/launcher=slurm"], "hydra/launcher: Hydra hands the jobs of a multirun to a launcher; without -m"),
 ])
-def test_a_launcher_without_multirun_is_refused(argv, message):
+def test_a_launcher_without_multirun_is_refused(argv, message, monkeypatch):
     with pytest.raises(ConfigError) as error:
         check_command_line(argv)
     assert str(error.value).startswith(message)
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")  # a login node
     check_command_line(["-m", *argv])
+
+
+def test_the_slurm_launcher_off_a_cluster_is_one_line(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(ConfigError) as error:
+        check_command_line(["-m", "hydra/launcher=slurm"])
+    assert str(error.value).startswith("hydra/launcher: this machine has no SLURM (no sbatch on the PATH)")
 
 
 @pytest.mark.slow

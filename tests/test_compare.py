@@ -55,11 +55,22 @@ def test_a_plot_is_written(runs, tmp_path):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
+def test_the_plot_draws_the_mean_loss_labelled_by_what_differs_and_amounts_from_zero(runs, tmp_path):
+    from titan_core.tools.compare import plot, read_run
+
+    figure = plot([read_run(runs[name].run_dir) for name in ("base", "faster")], tmp_path / "curves.png",
+                  ["loss", "tokens_per_s_per_device"])
+    loss, speed = figure.axes
+    assert [line.get_label() for line in loss.get_lines()] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
+    assert list(loss.get_lines()[1].get_ydata()) == [m["loss_avg"] for m in runs["faster"].metrics]
+    assert speed.get_ylim()[0] == 0
+
+
 def test_what_is_not_a_run_is_one_line(tmp_path):
     completed = compare(tmp_path)
     assert completed.returncode == 2
-    assert completed.stderr.strip() == (f"titan-core: error: {tmp_path} is neither a run dir (metrics.jsonl, "
-                                        "config.yaml) nor a multirun folder (multirun.yaml)")
+    assert completed.stderr.strip().startswith(f"titan-core: error: {tmp_path}: is neither a run dir (metrics.jsonl, "
+                                               "config.yaml) nor a multirun folder (multirun.yaml); fix: name the ")
 
 
 def test_versions_and_commits_that_differ_are_shown():

@@ -190,6 +190,9 @@ CORE_BAD = {
     "tokenizer.eos_token": ["tokenizer.eos_token=false"], "metrics.tensorboard": ["metrics.tensorboard=yes"],
     "launch.device": ["launch.device=tpu"], "launch.backend": ["launch.device=cpu", "launch.backend=nccl"],
     "launch.dry_run": ["launch.dry_run=1"], "testing.save_final_weights": ["testing.save_final_weights=1"],
+    "launch.check_memory": ["launch.check_memory=1"], "lr_scheduler.decay_steps": ["lr_scheduler.decay_steps=100000"],
+    "lr_scheduler.decay_shape": ["lr_scheduler.decay_shape=exp"], "data.damaged": ["data.damaged=ignore"],
+    "training.compute_dtype": ["training.compute_dtype=float16"],
 }
 # Read only with data.source=hub, where the Hub judges it (offline, the data.path line names the dataset).
 HUB_ONLY = {"data.name", "validation.name"}

@@ -419,3 +419,12 @@ def test_each_plugins_hooks_are_called_through_pluggy():
     Hooks(registry, plan, config).each("validate", config=config)
     assert [impls for name, impls in seen if name == "validate"] == [["tp"], ["ac"], ["fsdp"]]
     assert ("declare", ["fsdp"]) in seen and ("describe_model", ["llama3"]) in seen
+
+
+def test_a_plugin_that_fails_to_load_is_one_line(tmp_path):
+    source = "from titan_core import hookimpl\nraise ImportError('no cuda')\n"
+    env = install_plugins(tmp_path / "site", {"broken": (source, "")}, "broken-plugin")
+    line = error_line(run_job([*TINY, "launch.dry_run=true", "+plugins=[broken]"], tmp_path / "run",
+                              expect_success=False, env=env))
+    assert "plugins.broken: plugin 'broken' (broken_plugin_broken) fails to load: ImportError: no cuda" in line
+    assert "fix: fix or reinstall broken-plugin" in line

@@ -23,14 +23,6 @@ BUILTIN = OmegaConf.create({"source": "builtin", "path": None, "name": None, "sp
 SEQ = 32
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """The shipped corpus in byte tokens, three shards, tokenized by two processes."""
-    folder = tmp_path_factory.mktemp("tokens") / "builtin"
-    prepare_main([str(folder), "tokenizer.path=bytes", "--workers", "2", "--documents-per-shard", "500"])
-    return folder
-
-
 def text_loader(dp_rank=0, dp_size=1, batch=8, data=BUILTIN, keep=None):
     return PackedLoader(document_opener(data), load_tokenizer(BYTES), SEQ, batch, dp_rank, dp_size, keep)
 

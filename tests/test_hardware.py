@@ -22,3 +22,8 @@ def test_an_unknown_accelerator_asks_for_its_peak_instead_of_guessing(monkeypatc
     peak, source = peak_tflops(None, torch.device("cuda"))
     assert peak is None and f"unknown accelerator '{device_name}'" in source and "set metrics.peak_tflops" in source
     assert peak_tflops(500.0, torch.device("cuda")) == (500.0, "configured")
+
+
+def test_a_cpu_has_mfu_only_against_the_peak_the_user_gives():
+    assert peak_tflops(None, torch.device("cpu"))[0] is None
+    assert peak_tflops(2.0, torch.device("cpu")) == (2.0, "configured for this CPU")

@@ -27,10 +27,11 @@ def test_debug_model_learns_on_the_builtin_corpus(tmp_path):
     assert len(losses) == 3
     assert losses[-1] < losses[1] < losses[0] - 0.5, losses
     assert "titan-core plan: world 1 = single process" in result.stdout
-    assert "| MFU " in result.stdout and "| eta " in result.stdout
+    # No MFU on a CPU without a peak the user gives: a peak measured while other work shares the cores read 85-93%.
+    assert "| MFU " not in result.stdout and "| eta " in result.stdout and "so no MFU" in result.stdout
     first = result.metrics[0]
     assert {"loss", "loss_avg", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
-            "mfu", "memory_gib"} <= first.keys()
+            "memory_gib"} <= first.keys() and "mfu" not in first
     assert "tok/s/device (" in result.stdout
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -14,19 +14,20 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
     data-parallel     replicate_only_over, replicated_over
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, replica_count
-    tools             load_tokenizer, tokenizer_file, model_description, build_meta_model
+    tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model
     the planner       Estimate, Hardware (what estimate_costs and plan_options receive)
-    errors            ConfigError
+    errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
 """
 
 from titan_core.attention import causal_attention, document_attention, document_causal_mask, document_ids, grouped
 from titan_core.capabilities import (CHECKPOINTING, COMPILE, CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING,
-                                     EXPERT_PARALLEL, PARTIAL_DATA_PARALLEL, PIPELINE, SPLIT_BACKWARD, TENSOR_PARALLEL)
-from titan_core.data import load_tokenizer, tokenizer_file
+                                     EXPERT_PARALLEL, MIXED_PRECISION, PARTIAL_DATA_PARALLEL, PIPELINE, SPLIT_BACKWARD,
+                                     TENSOR_PARALLEL)
+from titan_core.data import load_tokenizer, special_tokens, tokenizer_file
 from titan_core.data_parallel import replicate_only_over, replicated_over
 from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
                                     TensorParallelLayout, attribute, canonical_name, drop, lacks, read_options, replace)
-from titan_core.errors import ConfigError
+from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.initialization import local_box
 from titan_core.mesh import ParallelMesh, device_kind
@@ -47,7 +48,7 @@ __all__ = [
     "Declaration", "MeshDimension", "Plan", "PlannedPlugin", "MESH_DIMS", "PP", "DP_REPLICATE", "DP_SHARD", "CP",
     "TP", "rest_of",
     # capabilities
-    "CHECKPOINTING", "COMPILE", "CONTEXT_PARALLEL", "DATA_PARALLEL_SHARDING", "EXPERT_PARALLEL",
+    "CHECKPOINTING", "COMPILE", "CONTEXT_PARALLEL", "DATA_PARALLEL_SHARDING", "EXPERT_PARALLEL", "MIXED_PRECISION",
     "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
     # the model
     "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "CORE_ATTENTION",
@@ -63,9 +64,9 @@ __all__ = [
     # options
     "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "replica_count",
     # tools
-    "load_tokenizer", "tokenizer_file", "model_description", "build_meta_model",
+    "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model",
     # the planner
     "Estimate", "Hardware",
     # errors
-    "ConfigError",
+    "ConfigError", "StorageError", "EXIT_BAD_INPUT", "EXIT_STORAGE",
 ]

@@ -18,4 +18,7 @@ DATA_PARALLEL_SHARDING = "data_parallel_sharding"
 PARTIAL_DATA_PARALLEL = "partial_data_parallel"
 EXPERT_PARALLEL = "expert_parallel"  # splits the experts of mixture-of-experts blocks over ranks
 COMPILE = "compile"  # compiles the blocks with torch.compile
+# Computes in a narrower dtype than the weights are kept in (FSDP's MixedPrecisionPolicy): the core's own mixed
+# precision (training.compute_dtype, autocast) then stays off.
+MIXED_PRECISION = "mixed_precision"
 CHECKPOINTING = "checkpointing"  # saves and restores the training state

@@ -12,28 +12,31 @@ import logging
 import resource
 import sys
 import time
+from collections import deque
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from titan_core.planner.hardware import by_device_name, measured_matmul_tflops
+from titan_core.planner.hardware import by_device_name
 
 log = logging.getLogger("titan_core")
 
 
 def peak_tflops(configured: float | None, device: torch.device) -> tuple[float | None, str]:
-    """Peak TFLOPS of one device and where the figure comes from (titan_core.planner.hardware on GPUs)."""
+    """Peak TFLOPS of one device and where the figure comes from: the user's, or an accelerator's datasheet
+    (titan_core.planner.hardware). Never measured: a peak measured while other work shares the device makes
+    MFU read high (85-93% on this CPU), so a CPU has none unless the user gives it."""
     if configured:
-        return float(configured), "configured"
+        return float(configured), "configured" + (" for this CPU" if device.type == "cpu" else "")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         profile = by_device_name(name)
         if profile is None:
             return None, f"unknown accelerator '{name}', so no MFU: set metrics.peak_tflops to its dense bf16 peak"
         return profile.bf16_tflops, f"{name}: {profile.name} dense bf16 datasheet"
-    return measured_matmul_tflops(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
+    return None, "a CPU has no datasheet peak here, so no MFU: set metrics.peak_tflops to this CPU's to see it"
 
 
 def global_means(values: list[torch.Tensor | None], device: torch.device) -> list[float]:
@@ -58,6 +61,7 @@ def memory_gib(device: torch.device) -> float:
 
 
 VALIDATION = frozenset({"validation_loss", "validation_perplexity"})
+ETA_WINDOW = 5  # logged intervals the time left is estimated from
 CORE_METRICS = frozenset({"step", "loss", "loss_avg", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                           "tokens_per_s_per_device", "tflops_per_device", "memory_gib", "mfu"})
 
@@ -83,8 +87,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(str(run_dir / "tb"))
         self.first_step = first_step
-        self.start = self.last = time.perf_counter()
+        self.last = time.perf_counter()
         self.last_step = first_step
+        self.aside = {"validation": 0.0, "checkpoint": 0.0}  # seconds since the last log spent off the steps
+        self.recent: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW)  # (steps, seconds) of the last logs
         self.window: dict[int, torch.Tensor | None] = {}  # each step's mean loss on this rank, since the last log
         self.console = ExitStack()
         self.bar = self._progress_bar() if self.writes and sys.stdout.isatty() else None
@@ -106,6 +112,11 @@ class MetricsLogger:
     def validates(self, step: int) -> bool:
         """Whether the model is evaluated on the validation batches after ``step``."""
         return bool(self.validate_every) and (step % self.validate_every == 0 or step == self.steps)
+
+    def spent(self, kind: str, seconds: float) -> None:
+        """Time spent on ``kind`` (validation, checkpoint) beside the steps: left out of the throughput and
+        reported on its own at the next log."""
+        self.aside[kind] += seconds
 
     def record(self, step: int, loss: torch.Tensor | None) -> None:
         """Keep ``step``'s mean loss on this rank (None on pipeline stages without the loss), on the device:
@@ -130,19 +141,26 @@ class MetricsLogger:
             average = sum(losses[s] for s in window) / len(window) if seen else None
             self.window = {}
         now = time.perf_counter()
-        step_time = (now - self.last) / (step - self.last_step)
+        training = max(now - self.last - sum(self.aside.values()), 1e-9)  # the steps' own time
+        step_time = training / (step - self.last_step)
+        self.recent.append((step - self.last_step, training))
         tokens_per_s = self.tokens_per_step / step_time
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
         metrics = {"step": step, "loss": losses[step], **({"loss_avg": average} if average is not None else {}),
                    "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
                    "tflops_per_device": tflops,
-                   "memory_gib": memory_gib(self.device), **extra}
+                   "memory_gib": memory_gib(self.device),
+                   **{f"{kind}_time_s": seconds for kind, seconds in self.aside.items() if seconds}, **extra}
         if self.peak:
             metrics["mfu"] = tflops / self.peak
         self.last, self.last_step = now, step
+        self.aside = dict.fromkeys(self.aside, 0.0)
         if self.writes:
-            self._write(metrics, eta_s=(now - self.start) / (step - self.first_step) * (self.steps - step))
+            # The steps' recent pace: the first steps (compilation, warm-up) and a load that came and went weigh
+            # only while they are recent.
+            pace = sum(seconds for _, seconds in self.recent) / sum(steps for steps, _ in self.recent)
+            self._write(metrics, eta_s=pace * (self.steps - step))
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s_per_device']:.0f} "
                                      "tok/s/device")

@@ -111,8 +111,14 @@ def plugin_object(entry_point: EntryPoint) -> object:
     """The object registered for one run: the module or instance the entry point names, or what the class or
     factory it names makes, called with no arguments (a fresh object per run, so no state leaks into the
     next job of a sweep run in the same process)."""
-    loaded = entry_point.load()
-    return loaded() if inspect.isclass(loaded) or inspect.isfunction(loaded) else loaded
+    try:
+        loaded = entry_point.load()
+        return loaded() if inspect.isclass(loaded) or inspect.isfunction(loaded) else loaded
+    except Exception as error:  # a plugin's own bug, whatever it is: one line naming the plugin
+        field = f"{'model' if entry_point.group == MODEL_GROUP else 'plugins'}.{entry_point.name}"
+        raise ConfigError(field, f"plugin '{entry_point.name}' ({entry_point.value}) fails to load: "
+                          f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                          f"fix or reinstall {distribution_name(entry_point)}") from None
 
 
 class Registry:
@@ -258,7 +264,7 @@ def build_plan(config, registry: Registry, world_size: int | None, vocab_size: i
     """
     description = registry.describe_model(config, vocab_size)
     planned = []
-    for name in registry.names:
+    for name in enabled_plugin_names(config):  # the registry's, or some of them (--recommend tries subsets)
         declaration = registry.call(name, "declare", config=config, plugin_config=config.plugins[name])
         declaration = Declaration() if declaration is None and not registry.implements(name, "declare") else declaration
         if not isinstance(declaration, Declaration):

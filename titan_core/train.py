@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from titan_core.errors import ConfigError
 from titan_core.initialization import init_weights
 from titan_core.mesh import ParallelMesh, set_collective_timeout
 from titan_core.metrics import MetricsLogger, global_means
+from titan_core.capabilities import MIXED_PRECISION
+from titan_core.options import compute_dtype
 from titan_core.plan import PP
 from titan_core.plugins import Hooks
 from titan_core.preemption import StopSignals
@@ -68,6 +71,11 @@ class TrainingStep:
         self.hooks, self.mesh, self.config, self.model_parts = hooks, mesh, config, model_parts
         self.schedule, self.optimizer, self.lr_scheduler = schedule, optimizer, lr_scheduler
         self.device, self.bos_id = device, bos_id
+        # The core's mixed precision: the weights stay float32, forward and backward compute in the narrower
+        # dtype (autocast), unless a plugin does mixed precision its own way (FSDP's policy).
+        dtype = compute_dtype(config.training.compute_dtype, "training.compute_dtype", device.type)
+        self.autocast = (torch.autocast(device.type, dtype=dtype)
+                         if dtype != torch.float32 and not hooks.plan.provides(MIXED_PRECISION) else None)
 
     def __call__(self, step: int, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
         """Train on one local batch; returns this rank's mean loss (None without the loss), the gradient
@@ -98,6 +106,8 @@ class TrainingStep:
                                                model_kwargs=model_kwargs, micro_batch=index, micro_batches=count,
                                                model_parts=self.model_parts, mesh=self.mesh, config=self.config):
                     contexts.enter_context(context)
+                if self.autocast is not None:
+                    contexts.enter_context(self.autocast)
                 loss = schedule_pass(micro_inputs, micro_labels, model_kwargs)
             if loss is not None:
                 losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
@@ -175,8 +185,10 @@ class Trainer:
                     set_collective_timeout(config.launch.hang_timeout_s)
                 stopped = stop.agreed() if state.step < steps else None  # a stop at the last step is the end
                 if stopped is not None or state.step < steps:
+                    started = time.perf_counter()
                     saved = hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False,
                                         preempted=stopped is not None, check_finite=self.finite.check)
+                    self.metrics.spent("checkpoint", time.perf_counter() - started)
         self.profiler.stop()
         state.dataloader.close()
         self.finite.check()
@@ -200,7 +212,11 @@ class Trainer:
     def log(self, step: int, grad_norm: torch.Tensor, lr: float) -> dict:
         """A logged step: the only host syncs of a step (the values logged, the NaN check)."""
         self.finite.check()
-        extra = self.step.validate(self.validation) if self.validation and self.metrics.validates(step) else {}
+        extra = {}
+        if self.validation and self.metrics.validates(step):
+            started = time.perf_counter()
+            extra = self.step.validate(self.validation)
+            self.metrics.spent("validation", time.perf_counter() - started)
         extra.update(self.state.dataloader.metrics())
         for answer in self.hooks.each("step_metrics", model_parts=self.state.model_parts, mesh=self.step.mesh,
                                       step=step, config=self.config):

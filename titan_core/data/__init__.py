@@ -21,14 +21,16 @@ from omegaconf import OmegaConf
 
 from titan_core.data.prefetch import Prefetcher
 from titan_core.data.text import PackedLoader, check_documents, document_opener, every_nth
-from titan_core.data.tokenizer import load_tokenizer, shared_tokenizer, tokenizer_file, tokenizer_identity
+from titan_core.data.tokenizer import (load_tokenizer, shared_tokenizer, special_tokens, tokenizer_file,
+                                       tokenizer_identity)
 from titan_core.data.tokens import Samples, TokenLoader, TokenShards, check_prepared
 from titan_core.errors import ConfigError
 
 log = logging.getLogger("titan_core")
+DAMAGED = ("stop", "skip")  # what a run does with prepared tokens that are not what prepare wrote
 
 __all__ = ["Prefetcher", "check_data", "check_documents", "document_opener", "every_nth", "load_tokenizer",
-           "shared_tokenizer", "tokenizer_file", "training_loader", "validation_batches"]
+           "shared_tokenizer", "special_tokens", "tokenizer_file", "training_loader", "validation_batches"]
 
 
 def holds_out(config) -> bool:
@@ -44,13 +46,14 @@ def token_sources(section) -> list[tuple[str, str, float]]:
     return [(entry.get("name") or Path(entry["path"]).name, entry["path"], float(entry["weight"])) for entry in mixture]
 
 
-def token_loader(section, field: str, training, dp_rank: int, dp_size: int, *, holdout_every: int = 0,
+def token_loader(config, section, field: str, dp_rank: int, dp_size: int, *, holdout_every: int = 0,
                  held: bool = False, seed: int | None = None) -> TokenLoader:
     """A loader of ``section``'s prepared sources (``field`` names them in errors)."""
-    sources = token_sources(section)
+    sources, training = token_sources(section), config.training
     return TokenLoader([Samples(TokenShards(path, field), training.seq_len + 1, holdout_every, held, seed)
                         for _, path, _ in sources], [name for name, _, _ in sources],
-                       [weight for _, _, weight in sources], training.global_batch_size, dp_rank, dp_size)
+                       [weight for _, _, weight in sources], training.global_batch_size, dp_rank, dp_size,
+                       skip_damaged=config.data.damaged == "skip")
 
 
 def training_loader(config, tokenizer, dp_rank: int, dp_size: int):
@@ -58,7 +61,7 @@ def training_loader(config, tokenizer, dp_rank: int, dp_size: int):
     training, data = config.training, config.data
     every = config.validation.holdout_every if holds_out(config) else 0
     if data.source == "tokens":
-        loader = token_loader(data, "data.path", training, dp_rank, dp_size, holdout_every=every,
+        loader = token_loader(config, data, "data.path", dp_rank, dp_size, holdout_every=every,
                               seed=training.seed if data.shuffle else None)
         for line in loader.describe(training.steps):
             log.info(line)
@@ -76,7 +79,7 @@ def validation_batches(config, tokenizer, dp_rank: int, dp_size: int) -> list[tu
     name, every = ("data", validation.holdout_every) if holds_out(config) else ("validation", 0)
     section = config[name]
     if section.source == "tokens":
-        loader = token_loader(section, f"{name}.path", training, dp_rank, dp_size, holdout_every=every, held=True)
+        loader = token_loader(config, section, f"{name}.path", dp_rank, dp_size, holdout_every=every, held=True)
     else:
         loader = PackedLoader(document_opener(section, name), tokenizer, training.seq_len,
                               training.global_batch_size, dp_rank, dp_size, every_nth(every, held=True) if every else None)
@@ -87,6 +90,8 @@ def check_data(config) -> None:
     """Fail in one line, before any worker starts, when the training or validation data cannot be read as
     configured (see docs/data.md)."""
     data = config.data
+    if data.damaged not in DAMAGED:
+        raise ConfigError("data.damaged", f"unknown policy '{data.damaged}'", f"use one of {', '.join(DAMAGED)}")
     if data.source != "tokens":
         for option, value in (("mixture", data.mixture), ("shuffle", data.shuffle)):
             if value:
@@ -111,6 +116,10 @@ def check_tokens(section, name: str, config) -> None:
     sample for training (and for validation, where it holds some out), and the mixture's weights."""
     identity = tokenizer_identity(config.tokenizer)
     mixture = OmegaConf.to_container(section.mixture) if section.get("mixture") else []
+    if not mixture and not section.path:
+        raise ConfigError(f"{name}.path", f"is empty but {name}.source=tokens",
+                          f"set {name}.path to a folder python -m titan_core.data.prepare wrote (or list "
+                          f"{name}.mixture)")
     if mixture and section.path:
         raise ConfigError(f"{name}.path", f"is set together with {name}.mixture",
                           f"list every source in {name}.mixture and set {name}.path=null")
@@ -118,7 +127,7 @@ def check_tokens(section, name: str, config) -> None:
         field = f"{name}.mixture[{index}]"
         if not isinstance(entry, dict) or set(entry) - {"path", "weight", "name"} or "path" not in entry:
             raise ConfigError(field, f"{entry!r} is not {{path: <folder>, weight: <share>}}",
-                              f"write each source as {{path: <prepared folder>, weight: <share>}}")
+                              "write each source as {path: <prepared folder>, weight: <share>}")
         weight = entry.get("weight")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
             raise ConfigError(f"{field}.weight", f"{weight!r} is not a positive number",

@@ -25,11 +25,11 @@ from omegaconf import OmegaConf
 
 from titan_core.data.text import FORMATS, local_files, check_documents
 from titan_core.data.tokenizer import load_tokenizer, tokenizer_identity
-from titan_core.data.tokens import FORMAT, MANIFEST, shard_files
-from titan_core.errors import ConfigError
+from titan_core.data.tokens import (CHECKSUM_BLOCK, FORMAT, MANIFEST, block_checksums, checksum_file,
+                                    shard_files)
+from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.schema import check_key, core_defaults, default_preset
 
-EXIT_BAD_INPUT = 2
 PLAN = "prepare.json"
 
 
@@ -70,11 +70,17 @@ def open_dataset(data, cache: Path):
 
 
 def write_whole(path: Path, write) -> None:
-    """``write(file)`` into a temporary name, then renamed: a reader sees the whole file or none."""
+    """``write(file)`` into a temporary name, then renamed: a reader sees the whole file or none. A storage fault
+    (a full disk, a read-only or vanished folder) is one line; what was written before is kept and resumed from."""
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as file:
-        write(file)
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as file:
+            write(file)
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise StorageError(path.parent, error, "the shards written before are kept: run the same command again "
+                           "once there is room, and it resumes") from None
 
 
 def prepare(args: argparse.Namespace, config) -> dict:
@@ -90,7 +96,13 @@ def prepare(args: argparse.Namespace, config) -> dict:
     if (output / PLAN).is_file() and json.loads((output / PLAN).read_text()) != plan:
         raise ConfigError("output", f"{output} holds a preparation of other documents, tokenizer or shard size",
                           "choose another folder (the one there is kept), or delete it to prepare anew")
-    output.mkdir(parents=True, exist_ok=True)
+    if output.is_dir() and not (output / PLAN).is_file() and any(output.iterdir()):
+        raise ConfigError("output", f"{output} holds files and is not a preparation (no {PLAN}): the shards would "
+                          "be written beside them", "choose a new or empty folder")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise StorageError(output, error, "nothing was written") from None
     if not (output / PLAN).is_file():
         write_whole(output / PLAN, lambda file: file.write(json.dumps(plan, indent=1).encode()))
 
@@ -121,13 +133,18 @@ def prepare(args: argparse.Namespace, config) -> dict:
             offsets = ids.offsets.to_numpy().astype(np.int64)
             write_whole(output / tokens_file, lambda file: file.write(tokens.tobytes()))
             write_whole(output / offsets_file, lambda file: np.save(file, offsets[:-1]))
+            write_whole(output / checksum_file(index), lambda file: np.save(file, block_checksums(tokens.tobytes())))
             record = {"documents": len(encoded), "tokens": int(len(tokens))}
             write_whole(done, lambda file: file.write(json.dumps(record).encode()))
+        elif not (output / checksum_file(index)).is_file():  # done by a version that recorded no checksums
+            written = (output / shard_files(index)[0]).read_bytes()
+            write_whole(output / checksum_file(index), lambda file: np.save(file, block_checksums(written)))
         shards.append(json.loads(done.read_text()))
         bar.update(len(part))
         bar.set_postfix_str(f"{sum(s['tokens'] for s in shards):,} tokens")
     bar.close()
     manifest = {"format": FORMAT, "tokenizer": identity, "dtype": np.dtype(dtype).name,
+                "checksum_block": CHECKSUM_BLOCK,
                 "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                 "shards": shards}
     write_whole(output / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
@@ -144,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as error:
         print(f"titan-core: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except StorageError as error:
+        print(f"titan-core: storage: {error}", file=sys.stderr)
+        sys.exit(EXIT_STORAGE)
     print(f"{args.output}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
           f"{len(manifest['shards'])} shard(s); train with data.source=tokens data.path={args.output}")
 

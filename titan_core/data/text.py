@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import constants as hf_constants
 
 from titan_core.data.tokenizer import ASSETS
 from titan_core.errors import ConfigError
@@ -64,20 +68,50 @@ class TextStream:
         self.dataset.load_state_dict(state)
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here, or None (also in offline mode, where the datasets
+    library reads its cache and fails fast by itself). Without this probe an unreachable Hub costs the library's
+    network retries: 25 s before its error, measured."""
+    offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    if hf_constants.HF_HUB_OFFLINE or any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+                                          for name in offline):
+        return None
+    endpoint = urlparse(hf_constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+    except OSError as error:
+        return f"{hf_constants.ENDPOINT} cannot be reached ({error.strerror or error})"
+    return None
+
+
+def check_hub(config, section: str) -> None:
+    """One line within seconds when a hub source cannot be reached."""
+    reason = hub_unreachable()
+    if reason:
+        raise ConfigError(f"{section}.path", f"the Hub dataset '{config.path}' cannot be opened: {reason}",
+                          "check the network, or set HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 to read it from the local "
+                          f"Hugging Face cache, or use {section}.source=local with {section}.path=<its folder>")
+
+
 def check_documents(config, section: str = "data") -> None:
     """Fail before launch when the configured data has no document with text in its ``text_field``."""
     if config.source == "builtin":
         # Shipped non-empty; opening it here would cost every launch the import of `datasets`.
         return
+    if config.source == "hub":
+        check_hub(config, section)
     try:
         first = next((text for text in document_opener(config, section)() if text), None)
     except KeyError:
         raise ConfigError(f"{section}.text_field", f"the documents have no field '{config.text_field}'",
                           f"set {section}.text_field to the column that holds the text") from None
-    except Exception as error:  # noqa: BLE001 - whatever the Hub client raises, the user gets one line
-        if config.source != "hub":
-            raise
+    except Exception as error:  # noqa: BLE001 - whatever datasets or the Hub client raises: one line
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if config.source != "hub":
+            kind = FORMATS[Path(local_files(config, section)[0]).suffix]
+            raise ConfigError(f"{section}.path", f"{config.path} cannot be read as {kind} documents ({reason})",
+                              f"point {section}.path at UTF-8 text files (json, jsonl, parquet, txt, csv)") from None
         raise ConfigError(f"{section}.path", f"the Hub dataset '{config.path}' cannot be opened ({reason})",
                           "check its name and the network (HF_DATASETS_OFFLINE unset), or download it and "
                           f"use {section}.source=local with {section}.path=<its folder>") from None

@@ -93,6 +93,16 @@ def shared_tokenizer(config) -> ByteTokenizer | FileTokenizer:
     return FileTokenizer(file, config.bos_token, config.eos_token, text=text[0])
 
 
+def special_tokens(config) -> dict:
+    """The special tokens of ``config`` (``tokenizer``) as a Hugging Face folder records them: their ids (for
+    config.json and generation_config.json) and, for a file tokenizer, their text (for tokenizer_config.json)."""
+    tokenizer = load_tokenizer(config)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    if tokenizer_file(config) is None:
+        return ids
+    return {**ids, "bos_token": config.bos_token, "eos_token": config.eos_token}
+
+
 def tokenizer_identity(config) -> dict:
     """What makes token ids mean the same text: the tokenizer file's digest and its special ids. Prepared
     shards record it, and a run with another tokenizer is refused."""

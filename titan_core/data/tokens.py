@@ -6,6 +6,13 @@ A prepared folder holds::
     manifest.json         format, tokenizer identity, token dtype, each shard's documents and tokens
     tokens-00000.bin      the shard's packed stream BOS doc EOS BOS doc EOS ... (uint16, or uint32 past 65,536 ids)
     documents-00000.npy   where each of its documents starts (int64)
+    checksums-00000.npy   the CRC-32 of each 64 KiB block of its token file (uint32)
+
+Every token is checked where it is read, before it is trained on: the blocks of the token file a rank reads
+against the checksums ``prepare`` recorded (each block once per run, so a rank reads and checks only what it
+trains on, however many ranks there are), and each id against the tokenizer's vocabulary. A damaged block
+stops the run in one line naming the file and its bytes, or, with ``data.damaged=skip``, the samples touching
+it are replaced by the next intact ones and counted (``damaged_samples_replaced``).
 
 The sample index is arithmetic, not a table. A folder's shards, end to end, form one stream, cut into
 slots of ``seq_len + 1`` tokens (a tail shorter than a slot is left out). Sample ``k`` of a source is in
@@ -19,6 +26,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +39,7 @@ log = logging.getLogger("titan_core")
 FORMAT = "titan-core-tokens/1"
 MANIFEST = "manifest.json"
 PREPARE = "python -m titan_core.data.prepare"
+CHECKSUM_BLOCK = 1 << 16  # bytes of a token file each CRC-32 covers: a row of 8k uint16 tokens reads two
 
 
 def shard_files(index: int) -> tuple[str, str]:
@@ -38,13 +47,33 @@ def shard_files(index: int) -> tuple[str, str]:
     return f"tokens-{index:05d}.bin", f"documents-{index:05d}.npy"
 
 
+def checksum_file(index: int) -> str:
+    """The file of shard ``index``'s block checksums."""
+    return f"checksums-{index:05d}.npy"
+
+
+def block_checksums(data: bytes) -> np.ndarray:
+    """The CRC-32 of each ``CHECKSUM_BLOCK`` bytes of ``data`` (the last block shorter)."""
+    view = memoryview(data)
+    return np.array([zlib.crc32(view[start:start + CHECKSUM_BLOCK]) for start in range(0, len(view), CHECKSUM_BLOCK)],
+                    dtype=np.uint32)
+
+
+class DamagedData(ConfigError):
+    """Tokens a run was about to train on are not those ``prepare`` wrote: one line naming the file."""
+
+
 def read_manifest(path: Path, field: str) -> dict:
     file = Path(path).expanduser() / MANIFEST
     if not file.is_file():
         raise ConfigError(field, f"{file.parent} holds no {MANIFEST} (not a prepared folder, or its preparation "
                           "did not finish)", f"run {PREPARE} {file.parent} ... (an interrupted one resumes)")
-    manifest = json.loads(file.read_text())
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(field, f"{file} is not whole ({error}): cut short or overwritten",
+                          f"prepare {file.parent} again ({PREPARE}; the shards already done are kept)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ConfigError(field, f"{file} is not in the {FORMAT} format", f"prepare it again with {PREPARE}")
     return manifest
 
@@ -70,20 +99,32 @@ def check_prepared(path: str | None, field: str, identity: dict) -> int:
             raise ConfigError(field, f"{file} holds {size} bytes where the manifest says "
                               f"{shard['tokens'] * itemsize} (truncated or replaced)",
                               f"prepare {folder} again ({PREPARE})")
+        if manifest.get("checksum_block") and not (folder / checksum_file(index)).is_file():
+            raise ConfigError(field, f"{folder / checksum_file(index)} is missing",
+                              f"prepare {folder} again ({PREPARE})")
+    if not manifest.get("checksum_block"):
+        log.info("data: %s was prepared without checksums: its tokens are checked against the vocabulary only "
+                 "(prepare it again to have them verified)", folder)
     return sum(shard["tokens"] for shard in manifest["shards"])
 
 
 class TokenShards:
-    """A prepared folder's shards as one stream of tokens, memory-mapped shard by shard when first read."""
+    """A prepared folder's shards as one stream of tokens, memory-mapped shard by shard when first read, every
+    token checked as it is read (module docstring)."""
 
     def __init__(self, path: str, field: str):
-        self.folder = Path(path).expanduser()
+        self.folder, self.field = Path(path).expanduser(), field
         manifest = read_manifest(self.folder, field)
         self.dtype = np.dtype(manifest["dtype"])
+        self.vocab_size = manifest["tokenizer"]["vocab_size"]
+        self.block = manifest.get("checksum_block")  # None: prepared before checksums were recorded
         self.counts = [shard["tokens"] for shard in manifest["shards"]]
         self.starts = np.cumsum([0, *self.counts]).tolist()
         self.tokens = self.starts[-1]
         self._maps: dict[int, np.ndarray] = {}
+        self._checksums: dict[int, np.ndarray] = {}
+        self._verified: dict[int, np.ndarray] = {}  # per shard touched, each block: 0 unchecked, 1 intact, -1 damaged
+        self.verified_bytes = 0  # what this rank has read to check: the blocks of the rows it trained on
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``start .. start + length`` of the stream (across shard ends)."""
@@ -92,13 +133,44 @@ class TokenShards:
         while length:
             offset = start - self.starts[shard]
             take = min(length, self.counts[shard] - offset)
-            pieces.append(self._map(shard)[offset:offset + take])
+            pieces.append(self._checked(shard, offset, take))
             start, length, shard = start + take, length - take, shard + 1
         return np.concatenate(pieces)
 
+    def _checked(self, shard: int, offset: int, count: int) -> np.ndarray:
+        """Tokens ``offset .. offset + count`` of ``shard``, their blocks' checksums and their ids checked."""
+        raw, size = self._map(shard), self.dtype.itemsize
+        if self.block:
+            self._verify(shard, raw, offset * size, (offset + count) * size)
+        tokens = raw[offset * size:(offset + count) * size].view(self.dtype)
+        outside = np.flatnonzero(tokens >= self.vocab_size)
+        if outside.size:
+            raise DamagedData(self.field, f"{self._file(shard)}: token {offset + outside[0]} is id "
+                              f"{tokens[outside[0]]}, outside the tokenizer's {self.vocab_size} ids (damaged)",
+                              f"prepare {self.folder} again ({PREPARE}), or set data.damaged=skip")
+        return tokens
+
+    def _verify(self, shard: int, raw: np.ndarray, first: int, end: int) -> None:
+        if shard not in self._checksums:
+            self._checksums[shard] = np.load(self.folder / checksum_file(shard))
+            self._verified[shard] = np.zeros(len(self._checksums[shard]), dtype=np.int8)
+        checked = self._verified[shard]
+        for block in range(first // self.block, (end - 1) // self.block + 1):
+            data = raw[block * self.block:(block + 1) * self.block]
+            if not checked[block]:
+                checked[block] = 1 if zlib.crc32(data) == self._checksums[shard][block] else -1
+                self.verified_bytes += len(data)
+            if checked[block] < 0:
+                raise DamagedData(self.field, f"{self._file(shard)}: bytes {block * self.block}-"
+                                  f"{block * self.block + len(data) - 1} differ from what {PREPARE} wrote (checksum)",
+                                  f"prepare {self.folder} again, or set data.damaged=skip to train without them")
+
+    def _file(self, shard: int) -> Path:
+        return self.folder / shard_files(shard)[0]
+
     def _map(self, shard: int) -> np.ndarray:
         if shard not in self._maps:
-            self._maps[shard] = np.memmap(self.folder / shard_files(shard)[0], dtype=self.dtype, mode="r")
+            self._maps[shard] = np.memmap(self._file(shard), dtype=np.uint8, mode="r")
         return self._maps[shard]
 
 
@@ -187,12 +259,13 @@ class TokenLoader:
     degree, and resuming reads nothing."""
 
     def __init__(self, sources: list[Samples], names: list[str], weights: list[float], global_batch_size: int,
-                 dp_rank: int, dp_size: int):
+                 dp_rank: int, dp_size: int, skip_damaged: bool = False):
         self.sources, self.names, self.mixture = sources, names, Mixture(weights)
         self.global_batch_size = global_batch_size
         self.rows = range(dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size)
         self.sample = 0
         self.epochs = [0] * len(sources)
+        self.skip_damaged, self.replaced, self.damage_seen = skip_damaged, 0, set()
 
     def __iter__(self):
         return self
@@ -211,7 +284,20 @@ class TokenLoader:
             self.epochs[j] = epoch
             log.info("data: %s starts its epoch %d: its %d samples repeat%s", self.names[j], epoch + 1,
                      source.per_epoch, ", in a new order" if source.seed is not None else "")
-        return source.read(index)
+        for replacement in range(index, index + source.per_epoch):  # with skip_damaged: the next intact sample
+            try:
+                tokens = source.read(replacement)
+            except DamagedData as damage:
+                if not self.skip_damaged:
+                    raise
+                if str(damage) not in self.damage_seen:
+                    self.damage_seen.add(str(damage))
+                    log.warning("data: skipping the samples of damaged data (data.damaged=skip): %s", damage)
+                continue
+            self.replaced += replacement != index
+            return tokens
+        raise ConfigError("data.damaged", f"every sample of {self.names[j]} is damaged",
+                          f"prepare it again ({PREPARE})")
 
     def describe(self, steps: int) -> list[str]:
         """A line per source: its samples per epoch, how many ``steps`` steps read, and whether they repeat."""
@@ -230,8 +316,10 @@ class TokenLoader:
         self.epochs = [int(n) // s.per_epoch for n, s in zip(self.mixture.taken(self.sample), self.sources)]
 
     def metrics(self) -> dict:
-        """Tokens trained on from each source so far, when there are several."""
+        """Tokens trained on from each source so far, when there are several; rows that replaced damaged samples."""
+        replaced = {"damaged_samples_replaced": float(self.replaced)} if self.replaced else {}
         if len(self.sources) < 2:
-            return {}
+            return replaced
         length = self.sources[0].length - 1
-        return {f"tokens_{name}": float(n * length) for name, n in zip(self.names, self.mixture.taken(self.sample))}
+        return {**replaced, **{f"tokens_{name}": float(n * length)
+                               for name, n in zip(self.names, self.mixture.taken(self.sample))}}

@@ -9,18 +9,22 @@ import os
 
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 
 from titan_core.attention import MASKS
 from titan_core.data import check_data, load_tokenizer
-from titan_core.default_hooks import ADAMW_IMPLEMENTATIONS
-from titan_core.description import CORE_ATTENTION
+from titan_core.default_hooks import ADAMW_IMPLEMENTATIONS, DECAY_SHAPES
+from titan_core.description import CORE_ATTENTION, attribute
 from titan_core.errors import ConfigError
 from titan_core.launch.cluster import Nodes, allocated_world_size, workers_per_node
 from titan_core.launch.run_dir import under_torchrun
 from titan_core.mesh import device_kind
-from titan_core.plan import Plan
+from titan_core.plan import CP, TP, Plan
 from titan_core.plugins import Registry, build_plan
 from titan_core.schema import check_config_kinds
+
+
+GIB = 2**30
 
 
 def _number(value) -> bool:
@@ -85,11 +89,24 @@ def check_job(config, plan: Plan) -> None:
                           f"rank(s) x {training.grad_accum_steps} micro-batch(es)",
                           f"use a multiple of {split}")
     check_optimizer(config.optimizer)
+    if training.compute_dtype not in (None, "float32", "bfloat16"):
+        raise ConfigError("training.compute_dtype", f"unsupported dtype '{training.compute_dtype}'",
+                          "use bfloat16 or float32 (float16 would need loss scaling), or null")
     check_attention_mask(training.attention_mask, plan)
-    if config.lr_scheduler.decay not in ("cosine", "linear", "none"):
-        raise ConfigError("lr_scheduler.decay", f"unknown decay '{config.lr_scheduler.decay}'",
-                          "use cosine, linear or none")
+    check_schedule(config.lr_scheduler, training.steps)
     check_data(config)
+
+
+def check_schedule(schedule, steps: int) -> None:
+    if schedule.decay not in ("cosine", "linear", "wsd", "none"):
+        raise ConfigError("lr_scheduler.decay", f"unknown decay '{schedule.decay}'", "use cosine, linear, wsd or none")
+    if schedule.decay_shape not in DECAY_SHAPES:
+        raise ConfigError("lr_scheduler.decay_shape", f"unknown shape '{schedule.decay_shape}'",
+                          f"use one of {', '.join(DECAY_SHAPES)}")
+    decay_steps = schedule.decay_steps
+    if decay_steps is not None and (not _count(decay_steps) or not 1 <= decay_steps <= max(1, steps)):
+        raise ConfigError("lr_scheduler.decay_steps", f"{decay_steps!r} is not a number of steps from 1 to "
+                          f"training.steps ({steps})", "set it within the run, or null for a fifth of it")
 
 
 def check_devices(launch, local_ranks: int) -> None:
@@ -131,13 +148,50 @@ def check_optimizer(optimizer) -> None:
                           "set optimizer.implementation=null (or for_loop)")
 
 
+# No model's residual stream is wider: below the length at which even this width would not fit, nothing is built.
+WIDEST_STREAM = 1 << 16
+
+
+def check_memory(config, plan: Plan, registry: Registry) -> None:
+    """A sequence that cannot fit, refused before launch: a rank holds at least one sequence's residual stream
+    (split over cp and tp at most, in bfloat16 at least), whatever the plan. A lower bound, so it never refuses a
+    job that would fit; ``launch.check_memory=false`` skips it (a plugin splitting sequences its own way)."""
+    seq_len, split = config.training.seq_len, plan.degree(CP) * plan.degree(TP)
+    memory = device_memory(config.launch.device)
+    if not config.launch.check_memory or seq_len * WIDEST_STREAM * 2 / split <= memory:
+        return
+    with torch.device("meta"):
+        model = registry.call(registry.model, "build_model", description=plan.model)
+    embeddings = [module for module in (attribute(model, path) for path in plan.model.inputs or ())
+                  if isinstance(module, nn.Embedding)]
+    logits = attribute(model, plan.model.logits) if plan.model.logits else None
+    width = max((m.embedding_dim for m in embeddings), default=getattr(logits, "in_features", None))
+    if width is not None and seq_len * width * 2 / split > memory:
+        where = "a GPU" if device_kind(config.launch.device) == "cuda" else "this machine"
+        raise ConfigError("training.seq_len", f"one sequence of {seq_len:,} tokens needs at least "
+                          f"{seq_len * width * 2 / split / GIB:,.1f} GiB on a rank for its residual stream alone "
+                          f"(width {width} in bfloat16, split over cp x tp = {split}), more than the "
+                          f"{memory / GIB:.1f} GiB of {where}",
+                          "shorten training.seq_len or split it over more ranks (cp), or set "
+                          "launch.check_memory=false to launch anyway")
+
+
+def device_memory(configured_device: str | None) -> int:
+    """Bytes of memory of one device the job's ranks run on: a GPU's, or this machine's."""
+    if device_kind(configured_device) == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def prepare(config, nodes: Nodes) -> Plan:
     """Validate everything and return the plan; raises ConfigError on bad input."""
     check_config_kinds(config)
     world_size = (int(os.environ["WORLD_SIZE"]) if under_torchrun() else
                   allocated_world_size(nodes, config.launch.device))
     vocab_size = load_tokenizer(config.tokenizer).vocab_size
-    plan = build_plan(config, Registry(config), world_size, vocab_size)
+    registry = Registry(config)
+    plan = build_plan(config, registry, world_size, vocab_size)
     check_job(config, plan)
+    check_memory(config, plan, registry)
     check_devices(config.launch, workers_per_node(plan.world_size, nodes))
     return plan

@@ -5,6 +5,7 @@ syntax) is refused in one line; and the job config composed from it, as the laun
 from __future__ import annotations
 
 import importlib.util
+import shutil
 
 from hydra import compose, initialize_config_module
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -134,3 +135,6 @@ def check_launcher(argv: list[str], multirun: bool) -> None:
             importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
         raise ConfigError("hydra/launcher", "SLURM jobs go through Hydra's submitit launcher, which is not "
                           "installed", "pip install 'titan-core[slurm]'")
+    if str(launcher.value()) in ("slurm", "submitit_slurm") and shutil.which("sbatch") is None:
+        raise ConfigError("hydra/launcher", "this machine has no SLURM (no sbatch on the PATH) to submit the jobs to",
+                          "run the command on the cluster's login node, or drop hydra/launcher to run here")

@@ -49,6 +49,7 @@ def hydra_main(config) -> None:
         sys.exit(EXIT_BAD_INPUT)
     config = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     if nodes.index == 0:
+        print(f"titan-core: run dir {run_dir.resolve()}", flush=True)
         print(plan.describe(), flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(config, run_dir / "config.yaml")
@@ -118,7 +119,7 @@ def main() -> None:
         sys.exit(EXIT_BAD_INPUT)
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
         # One rank writes Hydra's own files; the others would race on them.
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=disabled"]
     register_with_hydra()
     hydra_main()
     gc.freeze()  # as worker_main does: the exit skips freeing torch's objects one by one

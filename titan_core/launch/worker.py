@@ -20,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from titan_core.data import shared_tokenizer
-from titan_core.errors import EXIT_BAD_INPUT, ConfigError
+from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.mesh import cpu_threads, device_for_rank
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.preemption import StopSignals, exit_code
@@ -59,7 +59,9 @@ def train(config, run_dir: Path) -> signal.Signals | None:
             hooks = Hooks(registry, plan, config)
             trainer = Trainer(config, run_dir, hooks, tokenizer, device, rank)
             return trainer.run(stop)
-    except Exception as error:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:  # a library's own BaseException too (DCP's CheckpointException)
         if hooks is not None:
             _tell_plugins(hooks, error, trainer.state.step if trainer is not None else 0, config)
         raise SystemExit(_one_line(error, rank, run_dir, config)) from None
@@ -67,7 +69,7 @@ def train(config, run_dir: Path) -> signal.Signals | None:
         dist.destroy_process_group()
 
 
-def _tell_plugins(hooks: Hooks, error: Exception, step: int, config) -> None:
+def _tell_plugins(hooks: Hooks, error: BaseException, step: int, config) -> None:
     """The ``on_error`` event, every plugin's answer given its chance whatever another's raises."""
     for name in hooks.implementing("on_error"):
         try:
@@ -76,8 +78,12 @@ def _tell_plugins(hooks: Hooks, error: Exception, step: int, config) -> None:
             log.exception("the on_error hook of %s failed too", name)
 
 
-def _one_line(error: Exception, rank: int, run_dir: Path, config) -> int:
+def _one_line(error: BaseException, rank: int, run_dir: Path, config) -> int:
     """Print the one line a user sees for ``error`` (its traceback goes to this rank's log); the exit code."""
+    if isinstance(error, StorageError):
+        log.exception("rank %d: storage fault", rank)
+        print(f"titan-core: storage: rank {rank}: {error}", file=sys.stderr, flush=True)
+        return EXIT_STORAGE
     if isinstance(error, (ConfigError, FloatingPointError)):
         # Bad input found only once the model exists, or a diverged run.
         kind, code = ("error", EXIT_BAD_INPUT) if isinstance(error, ConfigError) else ("stopped", 1)
@@ -114,7 +120,7 @@ def _configure_logging(run_dir: Path, rank: int) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger("titan_core")
     logger.setLevel(logging.INFO)
-    logger.propagate = False
+    logger.propagate, logger.disabled = False, False  # whatever a logging config applied before left it
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()

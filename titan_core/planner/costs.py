@@ -8,6 +8,7 @@ import torch
 
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
+from titan_core.options import compute_dtype
 from titan_core.plan import Plan
 from titan_core.planner.estimate import CATEGORIES, GIB, Estimate, evaluated
 from titan_core.planner.facts import model_facts, optimizer_facts
@@ -31,7 +32,10 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     result = Estimate(config=config, plan=plan, hardware=hardware, facts_in=facts_in,
                       device_type=hardware.device_type,
                       blocks=list(range(plan.model.n_layers)),
-                      microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps)
+                      microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps,
+                      # the core's mixed precision (a plugin providing its own sets the dtype in estimate_costs)
+                      compute_dtype=compute_dtype(training.compute_dtype, "training.compute_dtype",
+                                                  hardware.device_type))
     hooks = Hooks(registry, plan, config)
     if "optimizer" not in traced:
         traced["optimizer"] = optimizer_facts(functools.partial(hooks.first, "build_optimizer"), config)

@@ -13,6 +13,7 @@ a training step reach at LLM shapes. It is the same for every profile (0.6: what
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -97,11 +98,23 @@ def hardware_profile(name: str) -> Hardware:
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise ConfigError("--hardware", f"no file {path}", "give the path of a hardware YAML file")
-        fields = dict(OmegaConf.to_container(OmegaConf.load(path)))
+        try:
+            fields = OmegaConf.to_container(OmegaConf.load(path))
+        except Exception as error:  # noqa: BLE001 - yaml's and OmegaConf's parse errors alike: one line
+            reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            raise ConfigError("--hardware", f"{path} is not a YAML mapping of a device's figures ({reason})",
+                              "fix the file's syntax (key: value lines; see docs/planner.md)") from None
+        if not isinstance(fields, dict):
+            raise ConfigError("--hardware", f"{path} is not a YAML mapping of a device's figures",
+                              "write key: value lines (see docs/planner.md)")
         fields.setdefault("name", path.stem)
         fields.setdefault("device_names", "")
+        numbers = {f.name for f in dataclasses.fields(Hardware) if f.type.split(" |")[0] in ("float", "int")}
         for key, value in fields.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key in numbers and value is not None and not number:
+                raise ConfigError("--hardware", f"{path}: {key} is {value!r}, not a number", f"set {key} to a number")
+            if number and value <= 0:
                 raise ConfigError("--hardware", f"{path}: {key} is {value}", f"set {key} to a positive number")
         try:
             return Hardware(**fields)

@@ -6,7 +6,9 @@ gives each run's steps, final and lowest loss, last validation loss, median toke
 logged step, which includes start-up and compilation, left out), MFU, peak memory, its plan, and the
 overrides, package versions and git commit that are not the same in every run.
 
-    --plot F.png      loss and tokens/s per device against the step, one line per run (needs matplotlib)
+    --plot F.png      the loss (mean of each logged window), the validation loss and tokens/s per device (from
+                      zero) against the step, a panel each (--metrics picks others), a line per run labelled by
+                      the overrides that set it apart (needs matplotlib)
     --assert-equal    every run's loss curve equals the first's within --tol on the steps they share; exit 1
                       otherwise (a regression check: a refactor must not move the loss)
     --json            the rows as JSON, for scripts
@@ -21,7 +23,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EXIT_BAD_INPUT = 2
+from omegaconf import OmegaConf
+
+from titan_core.errors import EXIT_BAD_INPUT, ConfigError
 
 
 @dataclass
@@ -52,7 +56,7 @@ def read_run(folder: Path) -> Run:
     run = Run(str(folder))
     metrics = folder / "metrics.jsonl"
     if metrics.is_file():
-        run.records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        run.records = read_metrics(metrics)
         run.losses = {r["step"]: r["loss"] for r in run.records if "loss" in r}
     record = folder / "run.json"
     if record.is_file():
@@ -65,10 +69,25 @@ def read_run(folder: Path) -> Run:
         mesh = " x ".join(f"{dim} {n}" for dim, n in world.get("mesh", {}).items()) or "single process"
         run.plan = f"world {world.get('size', '?')}: {mesh}"
     elif (folder / ".hydra" / "overrides.yaml").is_file():  # a run from before run.json
-        from omegaconf import OmegaConf
-
         run.overrides = list(OmegaConf.load(folder / ".hydra" / "overrides.yaml"))
     return run
+
+
+def read_metrics(file: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a last line cut short (a run killed while writing it) is left out with a
+    warning naming the file, any other line that is not JSON refuses the file."""
+    lines = [line for line in file.read_text(errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ConfigError(str(file), f"line {number} is not a JSON record", "compare the other runs, or "
+                                  "delete the line (metrics.jsonl holds one JSON object per line)") from None
+            print(f"titan-core: warning: {file}: its last line is cut short (the run stopped while writing it); "
+                  "compared without it", file=sys.stderr)
+    return records
 
 
 def runs_of(paths: list[Path]) -> list[Run]:
@@ -81,8 +100,9 @@ def runs_of(paths: list[Path]) -> list[Run]:
         elif (path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file():
             runs.append(read_run(path))
         else:
-            raise ValueError(f"{path} is neither a run dir (metrics.jsonl, config.yaml) nor a multirun folder "
-                             "(multirun.yaml)")
+            raise ConfigError(str(path), "is neither a run dir (metrics.jsonl, config.yaml) nor a multirun folder "
+                              "(multirun.yaml)", "name the folder python -m titan_core.run wrote (its run dir, or a "
+                              "sweep's multirun folder)")
     return runs
 
 
@@ -125,30 +145,45 @@ def largest_difference(run: Run, reference: Run, tol: float) -> tuple[int, float
     return step, difference, difference <= tol * max(1.0, abs(reference.losses[step]))
 
 
-def plot(runs: list[Run], file: Path) -> None:
+# What a plotted metric is drawn from: the training loss as the mean over each logged window (one batch's loss
+# zig-zags), the rest as logged.
+PLOTTED_FROM = {"loss": "loss_avg"}
+LOSSES = ("loss", "validation_loss")  # the other metrics are amounts, drawn from zero
+
+
+def plot(runs: list[Run], file: Path, metrics: list[str]):
+    """One panel per metric against the step, a line per run labelled by what sets it apart from the others."""
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ConfigError("--plot", "needs matplotlib, which is not installed",
+                          "pip install matplotlib (or titan-core[plots])") from None
     matplotlib.use("Agg")  # a file, never a window
     from matplotlib import pyplot
 
-    figure, (loss_axes, speed_axes) = pyplot.subplots(1, 2, figsize=(12, 4.5))
-    for run in runs:
-        loss_axes.plot(list(run.losses), list(run.losses.values()), label=run.path)
-        speeds = [(r["step"], r["tokens_per_s_per_device"]) for r in run.records if "tokens_per_s_per_device" in r]
-        speed_axes.plot(*zip(*speeds) if speeds else ([], []), label=run.path)
-    loss_axes.set(xlabel="step", ylabel="loss", title="loss")
-    speed_axes.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
-    loss_axes.legend(fontsize="small")
+    figure, panels = pyplot.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.5), squeeze=False)
+    labels = [differs or Path(run.path).name for run, differs in zip(runs, differing(runs))]
+    for metric, axes in zip(metrics, panels[0]):
+        for run, label in zip(runs, labels):
+            key = PLOTTED_FROM.get(metric, metric)
+            points = [(r["step"], r.get(key, r.get(metric))) for r in run.records if key in r or metric in r]
+            axes.plot(*zip(*points) if points else ([], []), marker="." if metric == "validation_loss" else None,
+                      label=label)
+        axes.set(xlabel="step", title=f"{metric} (mean over each logged window)" if metric in PLOTTED_FROM else metric)
+        if metric not in LOSSES:
+            axes.set_ylim(bottom=0)
+    panels[0][0].legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(file)
+    return figure
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m titan_core.compare", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run dirs or Hydra multirun folders")
-    parser.add_argument("--plot", type=Path, help="write loss and throughput curves to this PNG file")
+    parser.add_argument("--plot", type=Path, help="write the metrics' curves to this PNG file, a panel each")
+    parser.add_argument("--metrics", default="loss,validation_loss,tokens_per_s_per_device",
+                        help="with --plot: the metrics to draw, comma-separated (any key of metrics.jsonl)")
     parser.add_argument("--assert-equal", action="store_true", help="exit 1 unless every loss curve equals the first's")
     parser.add_argument("--tol", type=float, default=1e-5, help="with --assert-equal (default 1e-5)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -156,8 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         runs = runs_of(args.runs)
         if args.plot:
-            plot(runs, args.plot)
-    except ValueError as error:
+            plot(runs, args.plot, [m for m in args.metrics.split(",") if m])
+    except ConfigError as error:
         print(f"titan-core: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if args.json:

@@ -106,3 +106,25 @@ def test_sharded_import_reads_each_ranks_slices_only(tmp_path):
             for r in range(2)]
     print(f"bytes read per rank {read} of {total}")
     assert sum(read) == total and max(read) <= 0.55 * total
+
+
+def test_an_export_generates_and_stops_at_the_end_of_text(tmp_path):
+    """The export carries the special tokens (config.json, generation_config.json, tokenizer_config.json): a model
+    trained on 'BOS hello world EOS' repeated, exported, then generates in transformers and stops at EOS."""
+    transformers = pytest.importorskip("transformers")
+    from titan_core.testing import TINY, run_job
+
+    documents = tmp_path / "documents.jsonl"
+    documents.write_text(json.dumps({"text": "hello world"}) + "\n")
+    run_job([*TINY, "tokenizer.path=builtin", "data.source=local", f"data.path={documents}", "training.steps=40",
+             "optimizer.lr=1e-2", "+plugins=[checkpoint]", "plugins.checkpoint.export_hf=true"], tmp_path / "run")
+    folder = tmp_path / "run" / "checkpoints" / "hf-step-40"
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = tokenizer("<|begin_of_text|>hello", add_special_tokens=False, return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=20, do_sample=False)[0].tolist()
+    assert generated[-1] == tokenizer.eos_token_id and len(generated) < prompt.shape[1] + 20, generated
+    assert tokenizer.decode(generated[prompt.shape[1]:-1]) == " world"

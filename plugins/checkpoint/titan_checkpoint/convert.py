@@ -20,8 +20,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from safetensors.torch import save_file as save_safetensors
 
-from titan_core import (FLOAT_DTYPES, ConfigError, HFAdapter, ModelDescription, lacks, load_tokenizer,
-                        model_description, tokenizer_file)
+from titan_core import FLOAT_DTYPES, ConfigError, HFAdapter, ModelDescription, lacks, load_tokenizer, model_description
 from titan_checkpoint.files import Deletions, partial_of, save_file, swap_in
 from titan_checkpoint.hf import file_names, write_hf_index
 from titan_checkpoint.state import allocate, read_metadata
@@ -79,7 +78,7 @@ def export_hf_from_checkpoint(checkpoint: Path, target: Path, dtype: torch.dtype
     target.mkdir(parents=True, exist_ok=True)
     metadata = read_metadata(checkpoint)
     weight_map, total, _ = write_hf_share(checkpoint, target, dtype, metadata, adapter, 0, 1)
-    write_hf_index(target, weight_map, total, adapter, dtype, tokenizer_file(config.tokenizer))
+    write_hf_index(target, weight_map, total, adapter, dtype, config.tokenizer)
 
 
 def main(argv: list[str] | None = None) -> None:

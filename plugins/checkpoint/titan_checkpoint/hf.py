@@ -17,14 +17,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_core import ConfigError, HFAdapter, canonical_name, local_box
+from titan_core import ConfigError, HFAdapter, canonical_name, local_box, special_tokens, tokenizer_file
 
 FIELD = "plugins.checkpoint.load_path"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def export_hf(weights: dict[str, torch.Tensor], adapter: HFAdapter, folder: Path, dtype: torch.dtype = torch.float32,
-              tokenizer_file: Path | None = None, shard_bytes: int = 5 * 2**30) -> None:
+              tokenizer=None, shard_bytes: int = 5 * 2**30) -> None:
     """Write ``weights`` (full tensors by canonical name) as a Hugging Face folder of the adapter's model."""
     converted = {adapter.to_hf(name): tensor.detach().to("cpu", dtype).contiguous() for name, tensor in weights.items()}
     folder.mkdir(parents=True, exist_ok=True)
@@ -37,7 +37,7 @@ def export_hf(weights: dict[str, torch.Tensor], adapter: HFAdapter, folder: Path
     for file, shard in zip(file_names(len(shards)), shards):
         save_file(shard, folder / file, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
-    write_hf_index(folder, weight_map, sum(t.nbytes for t in converted.values()), adapter, dtype, tokenizer_file)
+    write_hf_index(folder, weight_map, sum(t.nbytes for t in converted.values()), adapter, dtype, tokenizer)
 
 
 def file_names(count: int) -> list[str]:
@@ -47,15 +47,24 @@ def file_names(count: int) -> list[str]:
 
 
 def write_hf_index(folder: Path, weight_map: dict[str, str], total_bytes: int, adapter: HFAdapter,
-                   dtype: torch.dtype, tokenizer_file: Path | None) -> None:
+                   dtype: torch.dtype, tokenizer=None) -> None:
     """What completes a folder whose safetensors files are written: the index of a folder of several files,
-    the tokenizer, and the config.json (last: a folder with it is finished)."""
+    the run's tokenizer (``tokenizer``: its config section) with its special tokens, the generation config, and
+    the config.json (last: a folder with it is finished)."""
     if len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
-    config = {**adapter.config, "dtype": DTYPE_NAMES[dtype], "torch_dtype": DTYPE_NAMES[dtype]}
+    special = special_tokens(tokenizer) if tokenizer is not None else {}
+    ids = {key: value for key, value in special.items() if key.endswith("_id")}
+    if tokenizer is not None and tokenizer_file(tokenizer) is not None:
+        shutil.copyfile(tokenizer_file(tokenizer), folder / "tokenizer.json")
+        # transformers' AutoTokenizer reads the special tokens from here; without them generate never stops.
+        texts = {key: value for key, value in special.items() if not key.endswith("_id")}
+        (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                   **texts}, indent=2))
+    if ids:
+        (folder / "generation_config.json").write_text(json.dumps(ids, indent=2))
+    config = {**adapter.config, **ids, "dtype": DTYPE_NAMES[dtype], "torch_dtype": DTYPE_NAMES[dtype]}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 

@@ -16,18 +16,21 @@ resumes from the newest complete ``step-N`` in its own folder before it looks at
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from titan_core import (CHECKPOINTING, FLOAT_DTYPES, ConfigError, Declaration, build_meta_model, device_kind,
-                        float_dtype, hookimpl, lacks, tokenizer_file)
+from titan_core import (CHECKPOINTING, FLOAT_DTYPES, ConfigError, Declaration, StorageError, build_meta_model,
+                        device_kind, float_dtype, hookimpl, lacks)
 from titan_checkpoint.convert import write_hf_share
 from titan_checkpoint.files import Deletions, damaged_files, partial_of, record_checksums, recover, swap_in
 from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config, write_hf_index
@@ -182,20 +185,40 @@ class Checkpointer:
     def write(self, tensors: dict, name: str, asynchronous: bool) -> Path:
         complete = self.folder / name
         partial = partial_of(complete)
-        if self.rank == 0:
-            if partial.exists():  # the same save of an attempt that died
-                self.deletions.delete(partial)
-            partial.mkdir(parents=True)
-        dist.barrier()
-        if asynchronous:  # returns once the tensors are copied to memory; the writing goes on in a thread
-            upload = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group,
-                                    async_stager=self.stager, async_checkpointer_type=self.writer)
-            self.pending = then(upload, lambda: self.seal(partial, complete))
-        else:
-            dcp.save(tensors, checkpoint_id=str(partial))
-            self.seal(partial, complete)
+        with self.storage(partial):
+            if self.rank == 0:
+                if partial.exists():  # the same save of an attempt that died
+                    self.deletions.delete(partial)
+                partial.mkdir(parents=True)
+            dist.barrier()
+            if asynchronous:  # returns once the tensors are copied to memory; the writing goes on in a thread
+                upload = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group,
+                                        async_stager=self.stager, async_checkpointer_type=self.writer)
+                self.pending = then(upload, lambda: self.seal(partial, complete))
+                self.pending.folder = partial
+            else:
+                dcp.save(tensors, checkpoint_id=str(partial))
+                self.seal(partial, complete)
         self.saved_step = int(STEP_DIR.search(name).group(1))
         return complete
+
+    @contextlib.contextmanager
+    def storage(self, folder: Path):
+        """A write into ``folder`` that fails for the storage's reason (full, read-only, gone) becomes one line
+        naming the folder, the cause and the newest checkpoint, which is intact: nothing is published or
+        deleted before a save is whole. Rank 0 drops what the failed save wrote, freeing the space it took."""
+        try:
+            yield
+        except BaseException as error:
+            cause = storage_cause(error)
+            if cause is None:
+                raise
+            if self.rank == 0 and folder.name.endswith(".partial") and folder.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+            newest = complete_checkpoints(self.folder)
+            kept = (f"the newest checkpoint, {newest[-1][1]}, is intact" if newest else
+                    "no checkpoint was written before")
+            raise StorageError(folder, cause, kept) from None
 
     def seal(self, partial: Path, complete: Path) -> None:
         """Every rank records its files' checksums; once all have, rank 0 publishes the save."""
@@ -217,6 +240,10 @@ class Checkpointer:
         the checkpoint); rank 0 then completes the folder and publishes it."""
         target = self.folder / f"hf-step-{step}"
         partial = partial_of(target)
+        with self.storage(partial):
+            self.write_hf(checkpoint, partial, target)
+
+    def write_hf(self, checkpoint: Path, partial: Path, target: Path) -> None:
         if self.rank == 0:
             if partial.exists():
                 self.deletions.delete(partial)
@@ -229,8 +256,7 @@ class Checkpointer:
         log.info("Hugging Face export: %d bytes read and written on this rank", read)
         dist.barrier()
         if self.rank == 0:
-            write_hf_index(partial, weight_map, total, self.description.hf, dtype,
-                           tokenizer_file(self.config.tokenizer))
+            write_hf_index(partial, weight_map, total, self.description.hf, dtype, self.config.tokenizer)
             swap_in(partial, target, self.deletions)
             log.info("Hugging Face export %s written", target)
         dist.barrier()
@@ -248,7 +274,8 @@ class Checkpointer:
         """Finish the save in flight, raising its error if it failed."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending.result()
+            with self.storage(pending.folder):
+                pending.result()
 
     def close(self) -> None:
         """Finish the save in flight and the deletions under way: the folder is then as it will stay."""
@@ -257,6 +284,17 @@ class Checkpointer:
         finally:
             self.stager.close()
             self.deletions.close()
+
+
+def storage_cause(error: BaseException) -> OSError | None:
+    """The OS error under a failed write: the error itself, the first rank's in DCP's CheckpointException (which
+    wraps each rank's failure), or the one that caused it."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, CheckpointException):
+        return next((cause for failure, _ in error.failures.values() if (cause := storage_cause(failure))), None)
+    cause = error.__cause__ or error.__context__
+    return storage_cause(cause) if cause is not None and cause is not error else None
 
 
 def then(future: Future, action) -> Future:

@@ -8,9 +8,9 @@ like those of different samples), and ``dp_replicate`` adds an outer replica dim
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from titan_core import (CP, DATA_PARALLEL_SHARDING, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, PARTIAL_DATA_PARALLEL, PP,
-                        SPLIT_BACKWARD, ConfigError, Declaration, attribute, compute_dtype, float_dtype, hookimpl,
-                        lacks, replica_count, replicated_over)
+from titan_core import (CP, DATA_PARALLEL_SHARDING, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, MIXED_PRECISION,
+                        PARTIAL_DATA_PARALLEL, PP, SPLIT_BACKWARD, ConfigError, Declaration, attribute, compute_dtype,
+                        float_dtype, hookimpl, lacks, replica_count, replicated_over)
 
 STAGE = 600  # last: it shards whatever the transforms before it (TP, AC, compile) produced
 RESHARD = ("default", "always", "never")
@@ -22,7 +22,8 @@ def declare(plugin_config):
     mesh = {DP_SHARD: plugin_config.degree}
     if replica_count(plugin_config.replicate_degree, "plugins.fsdp.replicate_degree") != 1:
         mesh[DP_REPLICATE] = plugin_config.replicate_degree
-    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL}))
+    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING, PARTIAL_DATA_PARALLEL,
+                                                                   MIXED_PRECISION}))
 
 
 @hookimpl

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from titan_core import (CP, DATA_PARALLEL_SHARDING, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, TP, Declaration,
-                        compute_dtype, float_dtype, hookimpl, replica_count)
+from titan_core import (CP, DATA_PARALLEL_SHARDING, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, MIXED_PRECISION, TP,
+                        Declaration, compute_dtype, float_dtype, hookimpl, replica_count)
 
 STAGE = 600  # last, like FSDP: it shards whatever parameters the earlier transforms produced
 
@@ -32,7 +32,7 @@ def declare(plugin_config):
     mesh = {DP_SHARD: plugin_config.degree}
     if replica_count(plugin_config.replicate_degree, "plugins.simplefsdp.replicate_degree") != 1:
         mesh[DP_REPLICATE] = plugin_config.replicate_degree
-    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING}))
+    return Declaration(stage=STAGE, mesh=mesh, provides=frozenset({DATA_PARALLEL_SHARDING, MIXED_PRECISION}))
 
 
 @hookimpl

@@ -1,0 +1,292 @@
+"""An operator's bad day, second round: the data on disk is checked before it is trained on, storage faults are
+one line with the previous checkpoint kept, and each mistake below is refused in one line before anything runs.
+
+| fault or mistake                                   | what the user sees                                            |
+|----------------------------------------------------|---------------------------------------------------------------|
+| bytes flipped in a prepared token shard            | one line naming the shard and its bytes, exit 2, no step      |
+| ... with data.damaged=skip                         | a warning, the samples replaced, damaged_samples_replaced      |
+| token ids outside the vocabulary                   | one line naming the shard and the token, exit 2               |
+| a full, read-only or vanished checkpoint folder     | one line naming the folder, the cause, the intact checkpoint, |
+|   (during a save, during the HF export)            |   exit 74; the run resumes from the intact one                |
+| a full disk during prepare                         | one line, exit 74; the same command resumes                   |
+| manifest.json cut short                            | one line, exit 2                                              |
+| data.source=tokens without data.path               | one line, exit 2                                              |
+| a binary (non-UTF-8) local data file               | one line, exit 2                                              |
+| training.seq_len=1000000000                        | one line from the memory bound, exit 2                        |
+| --hardware file: YAML syntax / a non-number field  | one line, exit 2                                              |
+| compare on a run killed mid-write                  | a warning naming the file; the comparison goes on             |
+| prepare into a folder of other files               | one line, exit 2, nothing written                             |
+| a hub dataset that cannot be reached               | one line within 5 s                                           |
+"""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from titan_core.data.prepare import main as prepare_main
+from titan_core.data.text import check_documents
+from titan_core.data.tokens import CHECKSUM_BLOCK, Samples, TokenLoader, TokenShards
+from titan_core.errors import ConfigError
+from titan_core.testing import TINY, error_line, install_plugins, run_job
+
+SEQ = 32
+
+
+@pytest.fixture
+def damaged(prepared, tmp_path):
+    """A copy of the prepared folder; ``damage(shard, offset, values)`` overwrites tokens of one of its shards."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(prepared, folder)
+
+    def damage(values, shard=0, offset=100):
+        tokens = np.memmap(folder / f"tokens-{shard:05d}.bin", dtype=np.uint16, mode="r+")
+        tokens[offset:offset + len(values)] = values
+        tokens.flush()
+        return folder
+    return damage
+
+
+TOKENS = [*TINY, "tokenizer.path=bytes", "data.source=tokens"]
+
+
+def test_a_flipped_byte_in_a_shard_stops_the_run_before_it_is_trained_on(damaged, tmp_path):
+    folder = damaged([65, 66, 67])  # ids still in the vocabulary: only the checksum can tell
+    result = run_job([*TOKENS, f"data.path={folder}"], tmp_path / "run", expect_success=False)
+    line = error_line(result)
+    assert f"data.path: {folder}/tokens-00000.bin: bytes 0-{CHECKSUM_BLOCK - 1} differ from what" in line
+    assert "fix: prepare" in line and "data.damaged=skip" in line
+    assert result.metrics == []  # not one step trained
+
+
+def test_skipping_damaged_data_trains_on_the_rest_and_counts_it(damaged, tmp_path):
+    folder = damaged([65, 66, 67])
+    result = run_job([*TOKENS, f"data.path={folder}", "data.damaged=skip"], tmp_path / "run")
+    assert result.metrics[-1]["damaged_samples_replaced"] >= 1
+    assert "skipping the samples of damaged data" in result.stdout
+
+
+def test_ids_outside_the_vocabulary_are_refused_naming_the_token(prepared, tmp_path):
+    folder = tmp_path / "outside"
+    shutil.copytree(prepared, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["checksum_block"]  # a folder prepared before checksums: the ids are still checked
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    tokens = np.memmap(folder / "tokens-00000.bin", dtype=np.uint16, mode="r+")
+    tokens[40] = 60000
+    tokens.flush()
+    line = error_line(run_job([*TOKENS, f"data.path={folder}"], tmp_path / "run", expect_success=False))
+    assert f"data.path: {folder}/tokens-00000.bin: token 40 is id 60000, outside the tokenizer's 264 ids" in line
+
+
+def test_each_rank_checks_only_the_blocks_it_reads(prepared):
+    """A rank reads, to check them, exactly the blocks its own rows lie in: its cost grows with what it trains
+    on, never with what the other ranks read."""
+    batch, steps, length = 8, 2, SEQ + 1
+
+    def checked(dp_rank, dp_size):
+        shards = TokenShards(str(prepared), "data.path")
+        samples = Samples(shards, length, seed=3)
+        loader = TokenLoader([samples], ["builtin"], [1.0], batch, dp_rank, dp_size)
+        for _ in range(steps):
+            next(loader)
+        rows = [step * batch + row for step in range(steps) for row in loader.rows]
+        blocks = set()
+        for row in rows:  # the tokens of this rank's samples, as bytes of the stream, by shard and block
+            start = samples.slot(row) * length
+            for token in (start, start + length - 1):
+                shard = int(np.searchsorted(shards.starts, token, side="right")) - 1
+                blocks.add((shard, (token - shards.starts[shard]) * 2 // CHECKSUM_BLOCK))
+        sizes = {(shard, block): min(CHECKSUM_BLOCK, shards.counts[shard] * 2 - block * CHECKSUM_BLOCK)
+                 for shard, block in blocks}
+        return shards.verified_bytes, sum(sizes.values()), blocks
+
+    ranks = [checked(rank, 2) for rank in range(2)]
+    for verified, expected, _ in ranks:
+        assert verified == expected  # its own rows' blocks, each once
+    alone = checked(0, 1)
+    assert alone[2] == ranks[0][2] | ranks[1][2] and max(verified for verified, _, _ in ranks) < alone[0]
+
+
+FAULTY_STORAGE = """
+import errno
+import os
+from pathlib import Path
+
+from torch.distributed.checkpoint import filesystem
+
+from titan_core import hookimpl
+
+
+@hookimpl
+def after_init(plugin_config):
+    \"\"\"faultystorage: writes into folders whose name holds `where` fail with the OS error `code`.\"\"\"
+    def failing(path):
+        return plugin_config.where in str(path)
+
+    def error(path):
+        code = getattr(errno, plugin_config.code)
+        return OSError(code, os.strerror(code), str(path))
+
+    create_stream, write_text = filesystem.FileSystem.create_stream, Path.write_text
+
+    def refusing_stream(self, path, mode):
+        if failing(path) and "w" in mode:
+            raise error(path)
+        return create_stream(self, path, mode)
+
+    def refusing_text(self, *args, **kwargs):
+        if failing(self):
+            raise error(self)
+        return write_text(self, *args, **kwargs)
+    filesystem.FileSystem.create_stream, Path.write_text = refusing_stream, refusing_text
+"""
+
+
+@pytest.fixture
+def faulty_storage(tmp_path):
+    options = "where: never-matches\ncode: ENOSPC\n"
+    return install_plugins(tmp_path / "site", {"faultystorage": (FAULTY_STORAGE, options)}, "faulty-storage")
+
+
+@pytest.mark.parametrize("code, cause", [("ENOSPC", "No space left on device"), ("EROFS", "Read-only file system"),
+                                         ("EIO", "Input/output error")], ids=["full", "read-only", "vanished"])
+def test_a_storage_fault_during_a_save_is_one_line_and_keeps_the_checkpoint_before(tmp_path, faulty_storage, code,
+                                                                                    cause):
+    job = [*TINY, "training.steps=6", "+plugins=[checkpoint,faultystorage]", "plugins.checkpoint.interval=2",
+           "plugins.faultystorage.where=step-4", f"plugins.faultystorage.code={code}"]
+    result = run_job(job, tmp_path / "run", expect_success=False, env=faulty_storage)
+    folder = tmp_path / "run" / "checkpoints"
+    lines = [line for line in result.stderr.splitlines() if line.startswith("titan-core:")]
+    assert result.returncode == 74 and lines == [
+        f"titan-core: storage: rank 0: {folder / 'step-4.partial'}: {cause} (errno {getattr(errno, code)}); the "
+        f"newest checkpoint, {folder / 'step-2'}, is intact"], result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]  # the failed save's files are gone
+    resumed = run_job([*job[:-2], "plugins.faultystorage.where=never-matches"], tmp_path / "run", env=faulty_storage)
+    assert "continuing after step 2" in resumed.stdout and resumed.metrics[-1]["step"] == 6
+
+
+def test_a_full_disk_during_the_hugging_face_export_is_one_line(tmp_path, faulty_storage):
+    result = run_job([*TINY, "training.steps=2", "+plugins=[checkpoint,faultystorage]",
+                      "plugins.checkpoint.export_hf=true", "plugins.faultystorage.where=hf-step"], tmp_path / "run",
+                     expect_success=False, env=faulty_storage)
+    folder = tmp_path / "run" / "checkpoints"
+    assert result.returncode == 74
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("titan-core:")]
+    assert line.startswith(f"titan-core: storage: rank 0: {folder / 'hf-step-2.partial'}: No space left on device")
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
+
+
+def test_a_full_disk_during_prepare_is_one_line_and_the_same_command_resumes(tmp_path, monkeypatch, capsys):
+    real_open = open
+
+    def full_after_the_first_shard(path, mode="r", *args, **kwargs):
+        if "tokens-00001" in str(path) and "w" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *args, **kwargs)
+    argv = [str(tmp_path / "out"), "tokenizer.path=bytes", "--workers", "1", "--documents-per-shard", "500"]
+    monkeypatch.setattr("builtins.open", full_after_the_first_shard)
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(argv)
+    monkeypatch.undo()
+    assert exit_.value.code == 74
+    line = capsys.readouterr().err.strip()
+    assert line == (f"titan-core: storage: {tmp_path / 'out'}: No space left on device (errno 28); the shards "
+                    "written before are kept: run the same command again once there is room, and it resumes")
+    assert (tmp_path / "out" / "shard-00000.json").is_file() and not list((tmp_path / "out").glob("*.partial"))
+    prepare_main(argv)
+    assert (tmp_path / "out" / "manifest.json").is_file()
+
+
+def test_a_manifest_cut_short_is_one_line(prepared, tmp_path):
+    folder = tmp_path / "cut"
+    shutil.copytree(prepared, folder)
+    (folder / "manifest.json").write_text((folder / "manifest.json").read_text()[:50])
+    line = error_line(run_job([*TOKENS, f"data.path={folder}"], tmp_path / "run", expect_success=False))
+    assert line.startswith(f"titan-core: error: data.path: {folder}/manifest.json is not whole (") and "fix: " in line
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["data.source=tokens"], "data.path: is empty but data.source=tokens; fix: set data.path to a folder"),
+    (["data.source=local", "data.path=BINARY"], "data.path: BINARY cannot be read as json documents ("),
+    (["training.seq_len=1000000000"], "training.seq_len: one sequence of 1,000,000,000 tokens needs at least "),
+], ids=["tokens-without-path", "binary-file", "sequence-too-long"])
+def test_mistakes_are_one_line_before_launch(tmp_path, overrides, words):
+    binary = tmp_path / "data.jsonl"
+    binary.write_bytes(bytes(range(256)) * 64)
+    overrides = [o.replace("BINARY", str(binary)) for o in overrides]
+    words = words.replace("BINARY", str(binary))
+    result = run_job([*TINY, *overrides], tmp_path / "run", expect_success=False)
+    assert words in error_line(result) and "fix: " in error_line(result)
+    assert not (tmp_path / "run" / "logs").exists()  # no worker started
+
+
+def test_the_memory_bound_can_be_switched_off(tmp_path):
+    result = run_job([*TINY, "training.seq_len=1000000000", "launch.check_memory=false", "launch.dry_run=true"],
+                     tmp_path / "run", expect_success=False)
+    assert "needs at least" not in result.stderr
+
+
+@pytest.mark.parametrize("text, words", [
+    ("bf16_tflops: 100\nmemory_gib: [1\n", "is not a YAML mapping of a device's figures"),
+    ("bf16_tflops: fast\n", "bf16_tflops is 'fast', not a number"),
+], ids=["yaml-syntax", "not-a-number"])
+def test_a_bad_hardware_file_is_one_line(tmp_path, text, words):
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "titan_core.planner", "--hardware", str(profile), *TINY],
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("titan-core: error: --hardware: ") and words in lines[0] and "fix: " in lines[0]
+
+
+def test_compare_leaves_out_a_last_line_cut_short(tmp_path):
+    for name, cut in (("whole", False), ("killed", True)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [json.dumps({"step": step, "loss": 5.0 - step}) for step in (1, 2, 3)]
+        (run / "metrics.jsonl").write_text("\n".join(lines)[:-5 if cut else None])
+    done = subprocess.run([sys.executable, "-m", "titan_core.compare", str(tmp_path / "whole"),
+                           str(tmp_path / "killed")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == (f"titan-core: warning: {tmp_path / 'killed' / 'metrics.jsonl'}: its last line is "
+                                   "cut short (the run stopped while writing it); compared without it")
+    assert [line.split()[1] for line in done.stdout.splitlines()[1:]] == ["3", "2"]  # steps of each run
+    missing = subprocess.run([sys.executable, "-m", "titan_core.compare", str(tmp_path / "nothing")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "; fix: " in missing.stderr
+
+
+def test_prepare_refuses_a_folder_of_other_files(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main([str(tmp_path / "mine"), "tokenizer.path=bytes"])
+    assert exit_.value.code == 2
+    assert "output: " in capsys.readouterr().err and sorted(os.listdir(tmp_path / "mine")) == ["notes.txt"]
+
+
+def test_an_unreachable_hub_is_one_line_within_seconds(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # CI runs offline
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # never resolves (RFC 2606)
+    config = OmegaConf.create({"source": "hub", "path": "someone/corpus", "name": None, "split": "train",
+                               "text_field": "text"})
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as error:
+        check_documents(config)
+    assert time.monotonic() - start < 5
+    assert "the Hub dataset 'someone/corpus' cannot be opened: https://hub.invalid cannot be reached" in str(
+        error.value)

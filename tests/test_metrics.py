@@ -1,0 +1,47 @@
+"""The numbers a run prints mean what they say: throughput counts the steps' own time (validation and checkpoint
+saves are reported on their own), and the time left comes from the recent pace."""
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_core import metrics as metrics_module
+from titan_core.metrics import MetricsLogger
+from titan_core.testing import TINY, compose
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_throughput_leaves_out_validation_and_saves_and_the_eta_follows_the_recent_pace(one_rank, tmp_path,
+                                                                                         monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="titan_core")
+    config = compose(*TINY, "training.steps=100", "metrics.log_every=10")
+    clock = [0.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock[0])
+    logger = MetricsLogger(config, tmp_path, 0, 1, torch.device("cpu"), 1.0, first_step=0)
+    logged = []
+    for step in range(1, 61):
+        clock[0] += 10.0 if step <= 10 else 1.0  # a slow start (compilation), then 1 s a step
+        logger.record(step, torch.tensor(1.0))
+        if step == 30:
+            clock[0] += 7.0
+            logger.spent("checkpoint", 7.0)
+        if step % 10 == 0:
+            clock[0] += 3.0
+            logger.spent("validation", 3.0)
+            logged.append(logger.log(step, 0.5, 1e-3, {}))
+    assert [m["step_time_s"] for m in logged] == pytest.approx([10.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert logged[2]["checkpoint_time_s"] == 7.0 and "checkpoint_time_s" not in logged[3]
+    assert all(m["validation_time_s"] == 3.0 for m in logged)
+    assert logged[-1]["tokens_per_s"] == pytest.approx(8 * 32 / 1.0)
+    # After 60 steps: 40 left at the last five intervals' pace (1 s a step); the slow start has left the window
+    # (over the whole run it would say 40 x 2.5 s).
+    assert caplog.records[-1].getMessage().endswith("| eta 0m40s")
+    logger.close()
