@@ -9,7 +9,7 @@ import pytest
 
 from titan_core.launch.cluster import PORTS, Nodes, job_nodes, workers_per_node
 from titan_core.errors import ConfigError
-from titan_core.launch.command_line import check_command_line
+from titan_core.job.command_line import check_command_line
 from titan_core.testing import TINY, JobResult, compare, merged
 
 FP32_TOLERANCE = 1e-5  # as fsdp's own parity tests: a wrong rank order or data split is off by far more

@@ -4,7 +4,7 @@ field, before anything starts; the defaults pass."""
 import pytest
 
 from titan_core.errors import ConfigError
-from titan_core.launch.checks import NUMBERS, check_numbers
+from titan_core.job.checks import NUMBERS, check_numbers
 from titan_core.testing import compose as config, config_error as refusal
 
 
@@ -63,7 +63,7 @@ def test_the_defaults_and_the_nulls_pass():
     (["~training"], "training: is the core's and cannot be removed"),
 ])
 def test_what_hydra_would_dump_is_one_line_before_it_composes(argv, message):
-    from titan_core.launch.command_line import check_command_line
+    from titan_core.job.command_line import check_command_line
 
     with pytest.raises(ConfigError) as error:
         check_command_line(argv)
@@ -74,7 +74,7 @@ def test_what_hydra_would_dump_is_one_line_before_it_composes(argv, message):
                                   ["--config-name=mine", "plugins.fsdp.degree=2"], ["hydra.run.dir=/tmp/x"],
                                   ["++training.extra=1"]])
 def test_enabled_plugins_known_presets_and_own_configs_pass(argv):
-    from titan_core.launch.command_line import check_command_line
+    from titan_core.job.command_line import check_command_line
 
     check_command_line(argv)
 
@@ -112,7 +112,7 @@ TINY_WORLD = ["model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "laun
 
 
 def test_every_option_of_every_shipped_plugin_has_a_bad_value_here():
-    from titan_core.schema import option_files, plugin_defaults
+    from titan_core.job.schema import option_files, plugin_defaults
 
     shipped = {f"plugins.{name}.{key}" for name in option_files("plugins") for key in plugin_defaults(name)}
     assert set(PLUGIN_BAD) == shipped - {f"plugins.{name}._plugin_" for name in option_files("plugins")}
@@ -129,7 +129,7 @@ def test_a_bad_plugin_option_is_refused_naming_it(field, value):
 
 def every_option(group: str) -> list[tuple[str, object]]:
     """(field, default) of every option with a default in the core's sections or the model families."""
-    from titan_core.schema import CORE_SECTIONS, core_defaults, family_defaults, option_files, preset_family
+    from titan_core.job.schema import CORE_SECTIONS, core_defaults, family_defaults, option_files, preset_family
 
     if group == "core":
         return [(f"{s}.{k}", v) for s in CORE_SECTIONS for k, v in core_defaults()[s].items() if v is not None]
@@ -146,7 +146,7 @@ def test_a_core_option_of_another_kind_is_refused(field, default):
 
 @pytest.mark.parametrize("field, default, family", every_option("model"))
 def test_a_model_option_of_another_kind_is_refused(field, default, family):
-    from titan_core.schema import check_config_kinds, option_files, preset_family
+    from titan_core.job.schema import check_config_kinds, option_files, preset_family
 
     preset = next(p for p in sorted(option_files("model")) if preset_family(p) == family)
     wrong = "'7'" if not isinstance(default, str) else "7"
@@ -167,7 +167,7 @@ def test_a_misspelled_key_names_the_nearest_option(key, suggestion):
 
 
 def test_null_is_taken_only_where_it_means_something():
-    from titan_core.schema import check_config_kinds
+    from titan_core.job.schema import check_config_kinds
 
     check_config_kinds(config("training.max_norm=null", "model.vocab_size=null", "model=8B"))
     assert refusal(*TINY_WORLD, "training.seq_len=null").field == "training.seq_len"
@@ -199,7 +199,7 @@ HUB_ONLY = {"data.name", "validation.name"}
 
 
 def test_every_core_field_has_a_bad_value_here():
-    from titan_core.schema import CORE_SECTIONS, core_defaults
+    from titan_core.job.schema import CORE_SECTIONS, core_defaults
 
     fields = {f"{section}.{key}" for section in CORE_SECTIONS for key in core_defaults()[section]}
     assert set(BAD) | set(CORE_BAD) | HUB_ONLY == fields

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_for_rank
-from titan_core.launch.checks import check_devices
+from titan_core.launch.prepare import check_devices
 from titan_core.testing import TINY
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -72,7 +72,7 @@ def test_cuda_asked_for_on_a_machine_without_it():
 
 def test_a_fill_degree_counts_gpus_only_when_the_job_uses_them(four_gpu_machine):
     from titan_core.launch.cluster import job_nodes
-    from titan_core.launch.checks import prepare
+    from titan_core.launch.prepare import prepare
     from titan_core.testing import compose, config_error
 
     base = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "+plugins=[fsdp]")

@@ -394,7 +394,7 @@ def test_a_pipeline_rank_holds_the_output_or_the_most_micro_batches():
 def test_recommend_ranks_the_plans_that_fit_and_they_run_as_printed(tmp_path):
     from titan_core.launch.cluster import job_nodes
     from titan_core.planner.cli import recommendations
-    from titan_core.launch.checks import prepare
+    from titan_core.launch.prepare import prepare
 
     text = recommendations(["--hardware", "a100", "--recommend", *SMALL, "launch.world_size=4",
                             "+plugins=[fsdp,tp,ac]", "plugins.ac.every=3"])

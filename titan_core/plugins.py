@@ -21,7 +21,6 @@ from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
 from titan_core.plan import Declaration, Plan, PlannedPlugin, make_plan
-from titan_core.schema import CONF_GROUP, option_files
 from titan_core.train_state import Stateful
 
 PLUGIN_GROUP = "titan_core.plugins"
@@ -64,25 +63,6 @@ def _entry_points(group: str, field_prefix: str) -> dict[str, EntryPoint]:
 
 def distribution_name(ep: EntryPoint) -> str:
     return ep.dist.name if ep.dist is not None else "unknown distribution"
-
-
-def config_options(group: str) -> set[str]:
-    """Names of the ``<group>/<name>.yaml`` options (``plugins``, ``model``) that the core and the installed
-    distributions ship."""
-    return set(option_files(group))
-
-
-def check_plugin_names(names) -> None:
-    """Fail on a requested plugin that is not installed, before Hydra tries to compose it."""
-    installed, options = installed_plugins(), config_options("plugins")
-    for name in names:
-        if name not in installed:
-            known = ", ".join(sorted(installed)) or "none"
-            raise ConfigError(f"plugins={name}", f"no installed plugin is named '{name}' (installed: {known})",
-                              f"install the distribution that provides it, or pick one of: {known}")
-        if name not in options:
-            raise ConfigError(f"plugins={name}", f"plugin '{name}' is installed but ships no plugins/{name}.yaml",
-                              f"add a '{CONF_GROUP}' entry point to its distribution pointing at its conf package")
 
 
 def enabled_plugin_names(config) -> list[str]:
@@ -134,7 +114,9 @@ class Registry:
         self.objects[self.model] = plugin_object(installed_models()[self.model])
         installed = installed_plugins()
         for name in self.names:
-            check_plugin_names([name])
+            if name not in installed:  # composed by hand, not from the command line's checked options
+                raise ConfigError(f"plugins.{name}", f"no installed plugin is named '{name}'",
+                                  "install the distribution that provides it, or remove it from plugins")
             self.objects[name] = plugin_object(installed[name])
         self.distributions = {name: distribution_name(installed[name]) for name in self.names}
         for name, plugin in self.objects.items():

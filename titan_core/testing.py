@@ -34,9 +34,9 @@ import torch
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
 from titan_core.initialization import init_weights
-from titan_core.launch.checks import prepare
+from titan_core.launch.prepare import prepare
 from titan_core.launch.cluster import job_nodes
-from titan_core.launch.command_line import check_command_line, composed
+from titan_core.job.command_line import check_command_line, composed
 from titan_core.plugins import Registry
 
 __all__ = ["TINY", "LOSS_TOL", "PARAM_TOL", "FLOAT8_LOSS_TOL", "FLOAT8_PARAM_TOL", "CONFORMANCE", "Case", "JobResult",

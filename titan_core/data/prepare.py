@@ -28,7 +28,7 @@ from titan_core.data.tokenizer import load_tokenizer, tokenizer_identity
 from titan_core.data.tokens import (CHECKSUM_BLOCK, FORMAT, MANIFEST, block_checksums, checksum_file,
                                     shard_files)
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
-from titan_core.schema import check_key, core_defaults, default_preset
+from titan_core.job.schema import check_key, core_defaults, default_preset
 
 PLAN = "prepare.json"
 

@@ -22,12 +22,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
-from titan_core.launch.checks import prepare
+from titan_core.job.command_line import check_command_line, register_with_hydra
+from titan_core.job.run_dir import under_torchrun
 from titan_core.launch.cluster import Nodes, job_nodes, workers_per_node
-from titan_core.launch.command_line import check_command_line, register_with_hydra
+from titan_core.launch.prepare import prepare
 from titan_core.launch.provenance import write_run_record
 from titan_core.launch.worker import train, worker_main
-from titan_core.launch.run_dir import under_torchrun
 from titan_core.planner.costs import estimate_here
 from titan_core.preemption import exit_code
 

@@ -12,8 +12,8 @@ import sys
 
 from titan_core.data import load_tokenizer
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
-from titan_core.launch.checks import check_job
-from titan_core.launch.command_line import composed
+from titan_core.job.checks import check_job
+from titan_core.job.command_line import composed
 from titan_core.planner.costs import estimate, report
 from titan_core.planner.hardware import hardware_profile
 from titan_core.planner.recommend import recommend

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
-from titan_core.launch.checks import check_job
+from titan_core.job.checks import check_job
 from titan_core.planner.costs import estimate
 from titan_core.planner.estimate import GIB
 from titan_core.planner.hardware import Hardware

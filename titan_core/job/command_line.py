@@ -15,10 +15,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from titan_core.errors import ConfigError
-from titan_core.launch.run_dir import default_run_dir
-from titan_core.launch.searchpath import PluginConfigSearchPath
-from titan_core.plugins import check_plugin_names, config_options
-from titan_core.schema import CORE_SECTIONS, check_config_kinds, check_key, default_preset
+from titan_core.job.run_dir import default_run_dir
+from titan_core.job.schema import (CONF_GROUP, CORE_SECTIONS, check_config_kinds, check_key, default_preset,
+                                   option_files)
+from titan_core.job.searchpath import PluginConfigSearchPath
+from titan_core.plugins import installed_plugins
 
 # Hydra's flags that take a value, which may follow as the next argument (``--cfg job``).
 VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
@@ -45,6 +46,25 @@ def composed(overrides: list[str], checked: bool = True):
     if checked:
         check_config_kinds(config)
     return config
+
+
+def config_options(group: str) -> set[str]:
+    """Names of the ``<group>/<name>.yaml`` options (``plugins``, ``model``) that the core and the installed
+    distributions ship."""
+    return set(option_files(group))
+
+
+def check_plugin_names(names) -> None:
+    """Fail on a requested plugin that is not installed, before Hydra tries to compose it."""
+    installed, options = installed_plugins(), config_options("plugins")
+    for name in names:
+        if name not in installed:
+            known = ", ".join(sorted(installed)) or "none"
+            raise ConfigError(f"plugins={name}", f"no installed plugin is named '{name}' (installed: {known})",
+                              f"install the distribution that provides it, or pick one of: {known}")
+        if name not in options:
+            raise ConfigError(f"plugins={name}", f"plugin '{name}' is installed but ships no plugins/{name}.yaml",
+                              f"add a '{CONF_GROUP}' entry point to its distribution pointing at its conf package")
 
 
 def override_args(argv: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
-"""The core's own checks of a composed job, and the plan they yield: every number, the batch split, the
-optimizer, the attention mask, the data and the devices. The plugins' checks run in ``build_plan``; together
-they find everything that can be wrong with the input before any worker starts."""
+"""The core's own checks of a composed job: every number, the batch split, the optimizer and its schedule, the
+attention mask, the data and the memory a sequence needs. The plugins' checks run in ``build_plan``, the
+devices' where the job starts (``titan_core.launch.prepare``); together they find everything that can be wrong
+with the input before any worker starts."""
 
 from __future__ import annotations
 
@@ -12,16 +13,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from titan_core.attention import MASKS
-from titan_core.data import check_data, load_tokenizer
+from titan_core.data import check_data
 from titan_core.default_hooks import ADAMW_IMPLEMENTATIONS, DECAY_SHAPES
 from titan_core.description import CORE_ATTENTION, attribute
 from titan_core.errors import ConfigError
-from titan_core.launch.cluster import Nodes, allocated_world_size, workers_per_node
-from titan_core.launch.run_dir import under_torchrun
 from titan_core.mesh import device_kind
 from titan_core.plan import CP, TP, Plan
-from titan_core.plugins import Registry, build_plan
-from titan_core.schema import check_config_kinds
+from titan_core.plugins import Registry
 
 
 GIB = 2**30
@@ -109,23 +107,6 @@ def check_schedule(schedule, steps: int) -> None:
                           f"training.steps ({steps})", "set it within the run, or null for a fifth of it")
 
 
-def check_devices(launch, local_ranks: int) -> None:
-    """The device kind exists here and each local rank gets a GPU of its own."""
-    if launch.device not in (None, "cpu", "cuda"):
-        raise ConfigError("launch.device", f"unknown device '{launch.device}'", "use cpu, cuda or null")
-    kind = device_kind(launch.device)
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("launch.device", "this machine has no CUDA device", "set launch.device=cpu (or null)")
-    if kind == "cpu" and launch.backend == "nccl":
-        raise ConfigError("launch.backend", "nccl needs CUDA devices and this job runs on the CPU",
-                          "set launch.backend=gloo (or null)")
-    local_ranks = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else local_ranks
-    if kind == "cuda" and local_ranks > torch.cuda.device_count():
-        raise ConfigError("launch.world_size", f"{local_ranks} ranks on this machine but {torch.cuda.device_count()} "
-                          "GPU(s): two ranks would share one", "start at most one rank per GPU (torchrun "
-                          "--nproc-per-node, launch.world_size, the degrees), or set launch.device=cpu")
-
-
 def check_attention_mask(mask: str, plan: Plan) -> None:
     if mask not in MASKS:
         raise ConfigError("training.attention_mask", f"unknown mask '{mask}'", f"use one of {', '.join(MASKS)}")
@@ -150,6 +131,7 @@ def check_optimizer(optimizer) -> None:
 
 # No model's residual stream is wider: below the length at which even this width would not fit, nothing is built.
 WIDEST_STREAM = 1 << 16
+SMALLEST_DEVICE = 1 << 30  # bytes: less memory than any device the core runs on
 
 
 def check_memory(config, plan: Plan, registry: Registry) -> None:
@@ -157,8 +139,10 @@ def check_memory(config, plan: Plan, registry: Registry) -> None:
     (split over cp and tp at most, in bfloat16 at least), whatever the plan. A lower bound, so it never refuses a
     job that would fit; ``launch.check_memory=false`` skips it (a plugin splitting sequences its own way)."""
     seq_len, split = config.training.seq_len, plan.degree(CP) * plan.degree(TP)
+    if not config.launch.check_memory or seq_len * WIDEST_STREAM * 2 / split <= SMALLEST_DEVICE:
+        return  # fits whatever the model and the device: no need to ask the device or build the model
     memory = device_memory(config.launch.device)
-    if not config.launch.check_memory or seq_len * WIDEST_STREAM * 2 / split <= memory:
+    if seq_len * WIDEST_STREAM * 2 / split <= memory:
         return
     with torch.device("meta"):
         model = registry.call(registry.model, "build_model", description=plan.model)
@@ -181,17 +165,3 @@ def device_memory(configured_device: str | None) -> int:
     if device_kind(configured_device) == "cuda":
         return torch.cuda.get_device_properties(0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def prepare(config, nodes: Nodes) -> Plan:
-    """Validate everything and return the plan; raises ConfigError on bad input."""
-    check_config_kinds(config)
-    world_size = (int(os.environ["WORLD_SIZE"]) if under_torchrun() else
-                  allocated_world_size(nodes, config.launch.device))
-    vocab_size = load_tokenizer(config.tokenizer).vocab_size
-    registry = Registry(config)
-    plan = build_plan(config, registry, world_size, vocab_size)
-    check_job(config, plan)
-    check_memory(config, plan, registry)
-    check_devices(config.launch, workers_per_node(plan.world_size, nodes))
-    return plan
