@@ -258,6 +258,7 @@ class Replica:
         self.steps_done = 0           # kept by checkpoints
         self.micro_batches = []
         self.averaged = 0
+        self.tracked = None           # rank 0's, as a tracker's run: what it was started with, the losses sent
 
     @hookimpl
     def declare(self, plugin_config):
@@ -303,9 +304,16 @@ class Replica:
         return {"replica_steps_done": self.steps_done + 1, "linear_forwards": calls}
 
     @hookimpl
-    def on_step_end(self):
-        \"\"\"replica: count the step.\"\"\"
+    def start_tracking(self, run, first_step):
+        \"\"\"replica: start a record of the run, as a tracker would.\"\"\"
+        self.tracked = {"first_step": first_step, "world": run["world"]["size"], "losses": {}}
+
+    @hookimpl
+    def on_step_end(self, step, metrics):
+        \"\"\"replica: count the step; send a logged step's loss to the record.\"\"\"
         self.steps_done += 1
+        if self.tracked is not None and metrics:
+            self.tracked["losses"][step] = metrics["loss"]
 
     def state_dict(self):
         return {"steps_done": self.steps_done}
@@ -314,7 +322,7 @@ class Replica:
         self.steps_done = state["steps_done"]
 
     def _report(self, plugin_config, **extra):
-        report = {"micro_batches": self.micro_batches, "averaged": self.averaged, **extra}
+        report = {"micro_batches": self.micro_batches, "averaged": self.averaged, "tracked": self.tracked, **extra}
         Path(plugin_config.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
     @hookimpl
@@ -359,6 +367,9 @@ def test_an_outsiders_data_parallel_dimension_averages_in_the_gradient_event_und
         assert seen["micro_batches"] == [[0, 2], [1, 2]] * 5
         assert seen["counting_linears"] == 2 * 7  # two blocks a stage, seven linears a block: all converted
     assert result.metrics[-1]["linear_forwards"] > 0
+    tracked = [seen["tracked"] for seen in _reports(out, 4)]
+    assert tracked[1:] == [None, None, None]  # rank 0 only
+    assert tracked[0] == {"first_step": 1, "world": 4, "losses": {str(m["step"]): m["loss"] for m in result.metrics}}
 
 
 @pytest.mark.slow
@@ -373,6 +384,9 @@ def test_an_outsiders_state_is_checkpointed_and_restored(tmp_path, replica):
     assert [m["replica_steps_done"] for m in resumed.metrics] == [3, 4, 5]
     for key in ("loss", "grad_norm", "replica_steps_done"):
         assert [m[key] for m in resumed.metrics] == [m[key] for m in whole.metrics[2:]], key
+    (seen,) = _reports(tmp_path, 1)  # the resumed run's: its record starts at step 3
+    losses = {str(m["step"]): m["loss"] for m in resumed.metrics}
+    assert seen["tracked"] == {"first_step": 3, "world": 1, "losses": losses}
 
 
 def test_a_failing_run_tells_the_plugins_before_its_one_line(tmp_path, replica):

@@ -45,7 +45,7 @@ def test_debug_model_learns_on_the_builtin_corpus(tmp_path):
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["overrides"] == ["training.steps=60", "metrics.log_every=20"]  # hydra.* are Hydra's own
     assert record["versions"]["torch"] == torch.__version__
-    assert {"titan-core", "titan-llama3"} <= record["versions"].keys()
+    assert {"titan-trainer", "titan-llama3"} <= record["versions"].keys()
     assert record["world"] == {"size": 1, "nodes": 1, "mesh": {}, "plugins": [], "model": "llama3"}
     assert record["git"] is None or len(record["git"]["commit"]) == 40
 

@@ -16,6 +16,7 @@ Who is called, and how the answers combine:
   stage last), then the model plugin. pluggy's own order (last registered first) is not used, so that
   "PP, then TP, then CP, then AC, then compile, then FSDP" holds whatever the command-line order; pluggy's
   ``tryfirst``, ``trylast`` and wrappers are therefore refused before launch.
+* ``start_tracking``: every enabled plugin implementing it, in plan order, on rank 0 only.
 * Builders (``firstresult``): the one enabled plugin implementing the hook, else the core's default
   (:mod:`titan_core.default_hooks`); two enabled plugins implementing one builder are refused before launch.
 
@@ -346,7 +347,23 @@ def on_step_end(step: int, metrics: dict[str, float], config: DictConfig, plugin
 
     Runs once per step on every rank, in plan order, after the step's metrics and before its checkpoint hook.
 
-    :param metrics: The values logged for the step (empty on steps that were not logged).
+    :param metrics: The values logged for the step (empty on steps that were not logged); on rank 0, those of
+        its ``metrics.jsonl`` line, which an experiment tracker sends on (see ``start_tracking``).
+    """
+
+
+@hookspec
+def start_tracking(run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
+                   plugin_config: DictConfig, plan: Plan) -> None:
+    """Event: rank 0 is about to train; an experiment tracker starts its run (or continues it, resumed).
+
+    Runs on rank 0 only, in plan order, once per run after the checkpoint is loaded and before the first step.
+    A tracker is a metrics sink made of events: it records ``config`` and ``run`` here, rank 0's ``metrics`` in
+    ``on_step_end`` (the validation loss, on validated steps), and ends its run in ``on_train_end`` (preempted
+    or finished) or ``on_error``, which run on every rank: it acts only where it started.
+
+    :param run: What ``run.json`` holds: the overrides, the versions, the git commit, the host, the world.
+    :param first_step: The first step this process trains: above 1 when resumed from a checkpoint.
     """
 
 

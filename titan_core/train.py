@@ -188,7 +188,8 @@ class Trainer:
                     started = time.perf_counter()
                     saved = hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=False,
                                         preempted=stopped is not None, check_finite=self.finite.check)
-                    self.metrics.spent("checkpoint", time.perf_counter() - started)
+                    if saved is not None:  # the time of a save, not of a policy saying no
+                        self.metrics.spent("checkpoint", time.perf_counter() - started)
         self.profiler.stop()
         state.dataloader.close()
         self.finite.check()

@@ -154,7 +154,7 @@ def check_launcher(argv: list[str], multirun: bool) -> None:
     if str(launcher.value()) in ("slurm", "submitit_slurm", "submitit_local") and \
             importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
         raise ConfigError("hydra/launcher", "SLURM jobs go through Hydra's submitit launcher, which is not "
-                          "installed", "pip install 'titan-core[slurm]'")
+                          "installed", "pip install 'titan-trainer[slurm]'")
     if str(launcher.value()) in ("slurm", "submitit_slurm") and shutil.which("sbatch") is None:
         raise ConfigError("hydra/launcher", "this machine has no SLURM (no sbatch on the PATH) to submit the jobs to",
                           "run the command on the cluster's login node, or drop hydra/launcher to run here")

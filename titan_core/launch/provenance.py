@@ -25,7 +25,7 @@ from titan_core.plugins import installed_models
 
 def distributions(plan: Plan, model_name: str) -> list[str]:
     """The distributions whose code runs in this job, the core's first."""
-    names = ["titan-core", *(p.distribution for p in plan.plugins)]
+    names = ["titan-trainer", *(p.distribution for p in plan.plugins)]
     model = installed_models().get(model_name)
     if model is not None and model.dist is not None:
         names.append(model.dist.name)
@@ -64,3 +64,9 @@ def write_run_record(run_dir: Path, overrides: list[str], plan: Plan, model_name
     }
     (run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def read_run_record(run_dir: Path) -> dict:
+    """What ``run.json`` in ``run_dir`` holds; empty when the launcher wrote none (a worker started alone)."""
+    record = run_dir / "run.json"
+    return json.loads(record.read_text()) if record.exists() else {}

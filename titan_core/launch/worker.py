@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from titan_core.data import shared_tokenizer
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
+from titan_core.launch.provenance import read_run_record
 from titan_core.mesh import cpu_threads, device_for_rank
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.preemption import StopSignals, exit_code
@@ -58,6 +59,9 @@ def train(config, run_dir: Path) -> signal.Signals | None:
             plan = build_plan(config, registry, world_size, tokenizer.vocab_size, validate=False)  # checked before
             hooks = Hooks(registry, plan, config)
             trainer = Trainer(config, run_dir, hooks, tokenizer, device, rank)
+            if rank == 0:
+                hooks.each("start_tracking", run_dir=run_dir, run=read_run_record(run_dir),
+                           first_step=trainer.state.step + 1, config=config)
             return trainer.run(stop)
     except (SystemExit, KeyboardInterrupt):
         raise

@@ -157,7 +157,7 @@ def plot(runs: list[Run], file: Path, metrics: list[str]):
         import matplotlib
     except ImportError:
         raise ConfigError("--plot", "needs matplotlib, which is not installed",
-                          "pip install matplotlib (or titan-core[plots])") from None
+                          "pip install matplotlib (or titan-trainer[plots])") from None
     matplotlib.use("Agg")  # a file, never a window
     from matplotlib import pyplot
 

@@ -1,0 +1,75 @@
+"""The MLflow tracker on a local file store, read back through MLflow's own client against metrics.jsonl."""
+
+import json
+import os
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from titan_core.testing import TINY, config_error, install_plugins, run_job
+
+pytestmark = pytest.mark.slow
+OPTIONS = (*TINY, "training.steps=4", "validation.every=2", "plugins.mlflow.experiment=smoke",
+           "plugins.mlflow.tags={team: llm}")
+FAIL = '''
+from titan_core import hookimpl
+
+@hookimpl
+def on_step_end(step, plugin_config):
+    if step == plugin_config.at_step:
+        raise RuntimeError(f"injected failure after step {step}")
+'''
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A local MLflow store and a client of it (MLflow 3 opens a folder store only when asked to)."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    return uri, MlflowClient(tracking_uri=uri)
+
+
+def tracked_run(client, run_dir):
+    return client.get_run(json.loads((run_dir / "mlflow.json").read_text())["run_id"])
+
+
+def test_a_run_and_its_resume_are_one_mlflow_run_with_every_logged_value(tmp_path, store):
+    uri, client = store
+    command = ["+plugins=[mlflow,checkpoint]", *OPTIONS, f"plugins.mlflow.tracking_uri={uri}"]
+    first = run_job(command, tmp_path / "run")
+    resumed = run_job([*command, "training.steps=6"], tmp_path / "run")  # the step-4 checkpoint, two steps more
+    run = tracked_run(client, tmp_path / "run")
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert client.get_experiment(run.info.experiment_id).name == "smoke"
+    assert run.data.params["training.steps"] == "4" and run.data.params["model.name"] == "llama3"  # as it started
+    tags = run.data.tags
+    assert tags["team"] == "llm" and tags["titan_core.plugins"] == "checkpoint,mlflow"
+    assert tags["titan_core.world_size"] == "1" and tags["titan_core.run_dir"] == str(tmp_path / "run")
+    artifacts = client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts"))
+    for first_step, steps in ((1, 4), (5, 6)):
+        record = json.loads(open(os.path.join(artifacts, f"start-step-{first_step}", "run.json")).read())
+        assert f"training.steps={steps}" in record["overrides"] or steps == 4
+        assert f"steps: {steps}" in open(os.path.join(artifacts, f"start-step-{first_step}", "config.yaml")).read()
+    logged = {m["step"]: m for m in first.metrics + resumed.metrics}
+    for key in set().union(*logged.values()) - {"step"}:
+        history = {point.step: point.value for point in client.get_metric_history(run.info.run_id, key)}
+        assert history == {step: pytest.approx(m[key], rel=1e-12) for step, m in logged.items() if key in m}, key
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "validation_loss")) == [2, 4, 6]
+
+
+def test_a_failed_run_ends_its_mlflow_run_failed(tmp_path, store):
+    uri, client = store
+    env = install_plugins(tmp_path / "site", {"fail": (FAIL, "at_step: 2\n")})
+    result = run_job(["+plugins=[mlflow,fail]", *OPTIONS, "training.steps=3", f"plugins.mlflow.tracking_uri={uri}"],
+                     tmp_path / "run", env=env, expect_success=False)
+    assert result.returncode == 1 and "injected failure after step 2" in result.stderr
+    run = tracked_run(client, tmp_path / "run")
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1]  # step 2 failed in fail's hook
+
+
+
+def test_tags_that_are_not_a_mapping_are_refused_before_launch():
+    assert str(config_error("+plugins=[mlflow]", *TINY, "plugins.mlflow.tags=[llm]")) == (
+        "plugins.mlflow.tags: ['llm'] is not a mapping; fix: give names and values, e.g. "
+        "'plugins.mlflow.tags={team: llm}'")

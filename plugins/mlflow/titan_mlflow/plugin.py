@@ -1,0 +1,121 @@
+"""MLflow: rank 0's config, run record and logged metrics in an MLflow run.
+
+One MLflow run per training run, in ``experiment``: the resolved config as params (dotted keys), the run
+record as tags (git commit, host, world) and as the artifact ``start-step-<N>/run.json`` with the config
+(``config.yaml``) beside it, a point per logged step (training, validation and plugins' metrics, MLflow's
+step = the training step), and the status FINISHED, KILLED (preempted: it resumes in the same run) or FAILED.
+A resumed training run continues its MLflow run (the id is kept in the run dir, ``mlflow.json``); its params
+stay those it started with, MLflow refusing changed ones, and the resumed config is the new start's artifact.
+
+The client talks to ``tracking_uri``: a server, Databricks, or a local folder (``file:<folder>``). MLflow 3
+keeps its folder store behind ``MLFLOW_ALLOW_FILE_STORE=true``; a ``file:`` URI named here sets it, the user
+having asked for that store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from titan_core import ConfigError, hookimpl
+
+logging.getLogger("mlflow").setLevel(logging.WARNING)  # its import and store chatter, kept off the console
+from mlflow.entities import Metric, Param, RunStatus  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+RUN_ID_FILE = "mlflow.json"
+PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
+PARAM_CHARS = 6000  # MLflow's longest param value
+
+
+def flat_params(config: DictConfig) -> dict[str, str]:
+    """The config's leaves by dotted key, as MLflow params (lists as their text)."""
+    params: dict[str, str] = {}
+
+    def visit(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                visit(value, f"{prefix}{key}.")
+        else:
+            params[prefix[:-1]] = str(node)[:PARAM_CHARS]
+    visit(OmegaConf.to_container(config, resolve=True), "")
+    return params
+
+
+class MlflowTracker:
+    """The MLflow run of this training run, on rank 0 only (None elsewhere and before the start)."""
+
+    def __init__(self) -> None:
+        self.client: MlflowClient | None = None
+        self.run_id: str | None = None
+
+    @hookimpl
+    def validate(self, plugin_config: DictConfig) -> None:
+        """mlflow: refuse tags that are not a mapping of names to values."""
+        if plugin_config.tags is not None and not isinstance(plugin_config.tags, DictConfig):
+            raise ConfigError("plugins.mlflow.tags", f"{plugin_config.tags} is not a mapping",
+                              "give names and values, e.g. 'plugins.mlflow.tags={team: llm}'")
+
+    @hookimpl
+    def start_tracking(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
+                       plugin_config: DictConfig) -> None:
+        """mlflow: start the MLflow run (continue it when resumed) with the config and the run record."""
+        uri = plugin_config.tracking_uri
+        if uri is not None and uri.startswith("file:"):
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+        self.client = MlflowClient(tracking_uri=uri)
+        ids = run_dir / RUN_ID_FILE
+        if first_step > 1 and ids.exists():
+            self.run_id = json.loads(ids.read_text())["run_id"]
+            self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        else:
+            experiment = self.client.get_experiment_by_name(plugin_config.experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(plugin_config.experiment))
+            self.run_id = self.client.create_run(experiment_id, run_name=plugin_config.run_name or run_dir.name,
+                                                 tags={**run_tags(run, run_dir), **(plugin_config.tags or {})}).info.run_id
+            params = [Param(key, value) for key, value in flat_params(config).items()]
+            for start in range(0, len(params), PARAMS_PER_CALL):
+                self.client.log_batch(self.run_id, params=params[start:start + PARAMS_PER_CALL])
+            ids.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": uri}) + "\n")
+        folder = f"start-step-{first_step}"
+        self.client.log_text(self.run_id, json.dumps(run, indent=2), f"{folder}/run.json")
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(config, resolve=True), f"{folder}/config.yaml")
+
+    @hookimpl
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """mlflow: send a logged step's values."""
+        if self.run_id is not None and metrics:
+            now = int(time.time() * 1000)
+            self.client.log_batch(self.run_id, metrics=[Metric(key, float(value), now, step)
+                                                        for key, value in metrics.items() if key != "step"])
+
+    @hookimpl
+    def on_train_end(self, preempted: bool) -> None:
+        """mlflow: end the run, KILLED when a signal stopped training (it resumes in the same run)."""
+        self._end(RunStatus.KILLED if preempted else RunStatus.FINISHED)
+
+    @hookimpl
+    def on_error(self) -> None:
+        """mlflow: end the run as failed."""
+        self._end(RunStatus.FAILED)
+
+    def _end(self, status: int) -> None:
+        if self.run_id is not None:
+            run_id, self.run_id = self.run_id, None
+            self.client.set_terminated(run_id, RunStatus.to_string(status))
+
+
+def run_tags(run: dict[str, Any], run_dir: Path) -> dict[str, str]:
+    """The run record's facts a user filters runs by."""
+    world = run.get("world", {})
+    git = run.get("git") or {}
+    return {"titan_core.run_dir": str(run_dir.resolve()), "titan_core.host": str(run.get("host", "")),
+            "titan_core.world_size": str(world.get("size", "")), "titan_core.model": str(world.get("model", "")),
+            "titan_core.plugins": ",".join(world.get("plugins", [])), "mlflow.source.git.commit": git.get("commit", "")}
