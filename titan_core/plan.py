@@ -152,7 +152,7 @@ def make_plan(planned: list[PlannedPlugin], model: ModelDescription, world_size:
 def _check_capabilities(planned: list[PlannedPlugin]) -> None:
     provider: dict[str, str] = {}
     for p in planned:
-        for capability in p.declaration.provides:
+        for capability in sorted(p.declaration.provides):  # the same line whatever the hash seed
             if capability in provider:
                 raise ConfigError(f"plugins=[{provider[capability]},{p.name}]", f"both provide '{capability}'",
                                   f"enable only one of {provider[capability]} and {p.name}")
