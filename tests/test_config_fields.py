@@ -105,6 +105,10 @@ PLUGIN_BAD = {
     "plugins.simplefsdp.param_dtype": "int8", "plugins.simplefsdp.reduce_dtype": "half",
     "plugins.tp.degree": "abc", "plugins.tp.sequence_parallel": "1", "plugins.tp.loss_parallel": "2",
     "plugins.tp.async_tp": "maybe",
+    "plugins.wandb.project": "7", "plugins.wandb.entity": "7", "plugins.wandb.name": "7", "plugins.wandb.group": "7",
+    "plugins.wandb.tags": "smoke", "plugins.wandb.mode": "cloud", "plugins.wandb.dir": "7",
+    "plugins.mlflow.tracking_uri": "7", "plugins.mlflow.experiment": "7", "plugins.mlflow.run_name": "7",
+    "plugins.mlflow.tags": "[llm]",
 }
 PLUGIN_BASE = {"ep": ["model=qwen3_moe_tiny", "+plugins=[fsdp,ep]"], "simplefsdp": ["+plugins=[simplefsdp]"],
                "fsdp": ["+plugins=[fsdp]"]}

@@ -15,10 +15,12 @@ ROWS = matrix.stacks()
 # model is the reference run itself), but for those compiling a pipeline, which pay compile once per stage
 # and schedule (70-90 s each; compile x pp stays in CI through tests/test_stacks.py and the compile plugin's
 # tests), and for those of context parallel and a pipeline schedule alone (cp's rotate methods x the
-# schedules: the pp and cp plugins' own tests cover both sides, the bench every pair).
+# schedules: the pp and cp plugins' own tests cover both sides, the bench every pair), and for those saving and
+# resuming under a pipeline (two runs each, 30-37 s: resuming across pipeline plans is the checkpoint plugin's own
+# test, tests/test_preemption.py resumes after a signal, the bench runs every schedule with save-resume).
 SMALL = [row for row in ROWS if matrix.world(row) <= 4 and any(plugins for _, _, plugins in row[1:])
          and not {"compile", "pp"} <= (plugins := {label.split("-")[0] for label, _, _ in row[2:] if label != "-"})
-         and plugins != {"cp", "pp"}]
+         and plugins != {"cp", "pp"} and not {"save", "pp"} <= plugins]
 
 
 def test_every_feasible_pair_is_in_some_stack():

@@ -8,7 +8,6 @@ from omegaconf import OmegaConf
 
 from titan_core import document_ids
 from titan_core.testing import init_weights
-from titan_core.testing import model_conformance
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 from titan_llama3.plugin import llama_args, describe
 
@@ -92,7 +91,9 @@ def test_ffn_hidden_size_follows_the_published_rounding():
     assert math.isclose(published("8B").head_dim, 128)
 
 
-test_llama3_conformance = model_conformance(["model=tiny"])
+# No conformance matrix here: its every case (fsdp 2, tp 2, cp 2, pp 2, ac, compile, chunked loss under tp, float8,
+# fsdp 2 to one process through a checkpoint) is a test of the plugin's own on this same tiny Llama, the reference
+# family of every parity test; the kit runs on Qwen3, Qwen3-MoE and the GPT-2 example.
 
 
 def test_block_causal_attention_equals_each_document_alone():

@@ -57,10 +57,14 @@ class MlflowTracker:
 
     @hookimpl
     def validate(self, plugin_config: DictConfig) -> None:
-        """mlflow: refuse tags that are not a mapping of names to values."""
+        """mlflow: refuse tags that are not a mapping of names to values, a URI or a name that is not text."""
         if plugin_config.tags is not None and not isinstance(plugin_config.tags, DictConfig):
             raise ConfigError("plugins.mlflow.tags", f"{plugin_config.tags} is not a mapping",
                               "give names and values, e.g. 'plugins.mlflow.tags={team: llm}'")
+        for key in ("tracking_uri", "run_name"):  # their default is null
+            if not isinstance(plugin_config[key], (str, type(None))):
+                raise ConfigError(f"plugins.mlflow.{key}", f"{plugin_config[key]!r} is not text",
+                                  f"quote it for Hydra: \"plugins.mlflow.{key}='{plugin_config[key]}'\"")
 
     @hookimpl
     def start_tracking(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
@@ -78,8 +82,9 @@ class MlflowTracker:
             experiment = self.client.get_experiment_by_name(plugin_config.experiment)
             experiment_id = (experiment.experiment_id if experiment is not None
                              else self.client.create_experiment(plugin_config.experiment))
+            tags = {**run_tags(run, run_dir), **(plugin_config.tags or {})}
             self.run_id = self.client.create_run(experiment_id, run_name=plugin_config.run_name or run_dir.name,
-                                                 tags={**run_tags(run, run_dir), **(plugin_config.tags or {})}).info.run_id
+                                                 tags=tags).info.run_id
             params = [Param(key, value) for key, value in flat_params(config).items()]
             for start in range(0, len(params), PARAMS_PER_CALL):
                 self.client.log_batch(self.run_id, params=params[start:start + PARAMS_PER_CALL])

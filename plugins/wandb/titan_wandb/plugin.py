@@ -23,6 +23,7 @@ logging.getLogger("wandb").setLevel(logging.WARNING)  # its import and start-up 
 import wandb  # noqa: E402
 
 MODES = (None, "online", "offline", "disabled")
+TEXT = ("entity", "name", "group", "dir")  # options whose default is null
 RUN_ID_FILE = "wandb.json"
 
 
@@ -34,10 +35,14 @@ class WandbTracker:
 
     @hookimpl
     def validate(self, plugin_config: DictConfig) -> None:
-        """wandb: refuse a mode W&B does not have."""
+        """wandb: refuse a mode W&B does not have, and names that are not text."""
         if plugin_config.mode not in MODES:
             raise ConfigError("plugins.wandb.mode", f"{plugin_config.mode!r} is not a W&B mode",
                               "use online, offline or disabled (or null: W&B's own setting)")
+        for key in TEXT:
+            if not isinstance(plugin_config[key], (str, type(None))):
+                raise ConfigError(f"plugins.wandb.{key}", f"{plugin_config[key]!r} is not text",
+                                  f"quote it for Hydra: \"plugins.wandb.{key}='{plugin_config[key]}'\"")
 
     @hookimpl
     def start_tracking(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
