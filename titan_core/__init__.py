@@ -13,7 +13,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the objective     add_loss
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
     data-parallel     replicate_only_over, replicated_over
-    options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, replica_count
+    options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
     tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model
     the planner       Estimate, Hardware (what estimate_costs and plan_options receive)
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
@@ -32,7 +32,8 @@ from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.initialization import local_box
 from titan_core.mesh import ParallelMesh, device_kind
 from titan_core.objective import add_loss
-from titan_core.options import FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count
+from titan_core.options import (FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count,
+                                text_or_null)
 from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Declaration, MeshDimension, Plan,
                              PlannedPlugin, rest_of)
 from titan_core.planner.estimate import Estimate
@@ -62,7 +63,7 @@ __all__ = [
     # data parallel
     "replicate_only_over", "replicated_over",
     # options
-    "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "replica_count",
+    "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count",
     # tools
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model",
     # the planner

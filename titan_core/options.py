@@ -38,3 +38,11 @@ def count_or_null(value, field: str, meaning_of_null: str) -> int | None:
         raise ConfigError(field, f"{value!r} is not a positive integer or null", f"use 1 or more, or null for "
                           f"{meaning_of_null}")
     return value
+
+
+def text_or_null(value, field: str) -> str | None:
+    """An optional name or path: null, or text; a ConfigError naming ``field`` for anything else (Hydra reads
+    ``7`` or ``true`` as a number or a boolean, where an option with a null default accepts any kind)."""
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(field, f"{value!r} is not text", f"quote it for Hydra: \"{field}='{value}'\"")
+    return value

@@ -35,16 +35,19 @@ def tracked_run(client, run_dir):
 
 def test_a_run_and_its_resume_are_one_mlflow_run_with_every_logged_value(tmp_path, store):
     uri, client = store
-    command = ["+plugins=[mlflow,checkpoint]", *OPTIONS, f"plugins.mlflow.tracking_uri={uri}"]
+    # Two ranks under fsdp: only rank 0 tracks (a second rank's run would be a second run of the experiment).
+    command = ["+plugins=[mlflow,checkpoint,fsdp]", *OPTIONS, "plugins.fsdp.degree=2",
+               f"plugins.mlflow.tracking_uri={uri}"]
     first = run_job(command, tmp_path / "run")
     resumed = run_job([*command, "training.steps=6"], tmp_path / "run")  # the step-4 checkpoint, two steps more
     run = tracked_run(client, tmp_path / "run")
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     assert client.get_experiment(run.info.experiment_id).name == "smoke"
+    assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [run.info.run_id]
     assert run.data.params["training.steps"] == "4" and run.data.params["model.name"] == "llama3"  # as it started
     tags = run.data.tags
-    assert tags["team"] == "llm" and tags["titan_core.plugins"] == "checkpoint,mlflow"
-    assert tags["titan_core.world_size"] == "1" and tags["titan_core.run_dir"] == str(tmp_path / "run")
+    assert tags["team"] == "llm" and tags["titan_core.plugins"] == "fsdp,checkpoint,mlflow"
+    assert tags["titan_core.world_size"] == "2" and tags["titan_core.run_dir"] == str(tmp_path / "run")
     artifacts = client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts"))
     for first_step, steps in ((1, 4), (5, 6)):
         record = json.loads(open(os.path.join(artifacts, f"start-step-{first_step}", "run.json")).read())

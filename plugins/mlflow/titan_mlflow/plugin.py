@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from titan_core import ConfigError, hookimpl
+from titan_core import ConfigError, hookimpl, text_or_null
 
 logging.getLogger("mlflow").setLevel(logging.WARNING)  # its import and store chatter, kept off the console
 from mlflow.entities import Metric, Param, RunStatus  # noqa: E402
@@ -62,9 +62,7 @@ class MlflowTracker:
             raise ConfigError("plugins.mlflow.tags", f"{plugin_config.tags} is not a mapping",
                               "give names and values, e.g. 'plugins.mlflow.tags={team: llm}'")
         for key in ("tracking_uri", "run_name"):  # their default is null
-            if not isinstance(plugin_config[key], (str, type(None))):
-                raise ConfigError(f"plugins.mlflow.{key}", f"{plugin_config[key]!r} is not text",
-                                  f"quote it for Hydra: \"plugins.mlflow.{key}='{plugin_config[key]}'\"")
+            text_or_null(plugin_config[key], f"plugins.mlflow.{key}")
 
     @hookimpl
     def start_tracking(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,

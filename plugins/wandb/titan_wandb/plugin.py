@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from titan_core import ConfigError, hookimpl
+from titan_core import ConfigError, hookimpl, text_or_null
 
 logging.getLogger("wandb").setLevel(logging.WARNING)  # its import and start-up chatter, kept off the console
 import wandb  # noqa: E402
@@ -40,9 +40,7 @@ class WandbTracker:
             raise ConfigError("plugins.wandb.mode", f"{plugin_config.mode!r} is not a W&B mode",
                               "use online, offline or disabled (or null: W&B's own setting)")
         for key in TEXT:
-            if not isinstance(plugin_config[key], (str, type(None))):
-                raise ConfigError(f"plugins.wandb.{key}", f"{plugin_config[key]!r} is not text",
-                                  f"quote it for Hydra: \"plugins.wandb.{key}='{plugin_config[key]}'\"")
+            text_or_null(plugin_config[key], f"plugins.wandb.{key}")
 
     @hookimpl
     def start_tracking(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
