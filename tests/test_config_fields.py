@@ -137,7 +137,7 @@ def every_option(group: str) -> list[tuple[str, object]]:
 
     if group == "core":
         return [(f"{s}.{k}", v) for s in CORE_SECTIONS for k, v in core_defaults()[s].items() if v is not None]
-    families = sorted({preset_family(p) for p in option_files("model")})
+    families = sorted({preset_family(p) for p in option_files("model")} - {None})  # hf: the folder says
     return [(f"model.{k}", v, family) for family in families for k, v in family_defaults(family)[0].items()
             if v is not None and k != "name"]
 

@@ -8,13 +8,15 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the contract      hookimpl, hookspec (titan_core.hookspecs: every hook, typed and documented)
     the plan          Declaration, MeshDimension, Plan, PlannedPlugin, the mesh dimension names, rest_of
     capabilities      PIPELINE, TENSOR_PARALLEL, ... (titan_core.capabilities)
-    the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name
+    the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name,
+                      check_hf_config
     attention seam    causal_attention, document_attention, document_causal_mask, document_ids, grouped
     the objective     add_loss
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
     data-parallel     replicate_only_over, replicated_over
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
-    tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model
+    tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model,
+                      folder_config
     the planner       Estimate, Hardware (what estimate_costs and plan_options receive)
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
 """
@@ -26,10 +28,12 @@ from titan_core.capabilities import (CHECKPOINTING, COMPILE, CONTEXT_PARALLEL, D
 from titan_core.data import load_tokenizer, special_tokens, tokenizer_file
 from titan_core.data_parallel import replicate_only_over, replicated_over
 from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
-                                    TensorParallelLayout, attribute, canonical_name, drop, lacks, read_options, replace)
+                                    TensorParallelLayout, attribute, canonical_name, check_hf_config, drop, lacks, read_options,
+                                    replace)
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.initialization import local_box
+from titan_core.job.model_folder import folder_config
 from titan_core.mesh import ParallelMesh, device_kind
 from titan_core.objective import add_loss
 from titan_core.options import (FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count,
@@ -53,7 +57,7 @@ __all__ = [
     "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
     # the model
     "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "CORE_ATTENTION",
-    "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name",
+    "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
     # the attention seam
     "causal_attention", "document_attention", "document_causal_mask", "document_ids", "grouped",
     # the objective
@@ -65,7 +69,7 @@ __all__ = [
     # options
     "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count",
     # tools
-    "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model",
+    "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",
     # the planner
     "Estimate", "Hardware",
     # errors

@@ -217,9 +217,10 @@ def replace(root: nn.Module, path: str, module: nn.Module | None) -> None:
 
 
 def read_options(model_config, known, family: str, tokenizer_vocab_size: int) -> dict:
-    """A model's options from ``config.model``: unknown fields refused (one line naming the field), and
+    """A model's options from ``config.model``: unknown fields refused (one line naming the field; ``name`` and
+    ``path`` are the core's), and
     ``vocab_size`` null taking the tokenizer's size, never smaller than it."""
-    unknown = sorted(set(model_config) - set(known) - {"name"})
+    unknown = sorted(set(model_config) - set(known) - {"name", "path"})
     if unknown:
         raise ConfigError(f"model.{unknown[0]}", f"is not a {family} option", f"use one of {', '.join(sorted(known))}")
     options = {k: v for k, v in model_config.items() if k in known}
@@ -228,6 +229,17 @@ def read_options(model_config, known, family: str, tokenizer_vocab_size: int) ->
         raise ConfigError("model.vocab_size", f"{options['vocab_size']} is smaller than the tokenizer's "
                           f"{tokenizer_vocab_size}", "set model.vocab_size=null to take the tokenizer's size")
     return options
+
+
+def check_hf_config(hf_config: Mapping[str, Any], family: str, **computed: tuple) -> None:
+    """Refuse a Hugging Face config.json that sets a field to a value the family's model does not compute
+    (``computed``: each field's values it does; an absent field is transformers' default and passes), rather
+    than import a model whose outputs differ from the file's."""
+    for field, values in computed.items():
+        if field in hf_config and hf_config[field] not in values:
+            raise ConfigError("model.path", f"config.json sets {field}={hf_config[field]!r}, which {family} does not "
+                              f"compute (only {' or '.join(map(repr, values))})",
+                              "start from a folder of a model this family's plugin builds")
 
 
 def lacks(description: ModelDescription, what: str, plugin: str) -> str:

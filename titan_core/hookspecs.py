@@ -8,7 +8,8 @@ arguments by name. A plugin object with ``state_dict()``/``load_state_dict()``
 
 Who is called, and how the answers combine:
 
-* Models (``describe_model``, ``build_model``): the one model plugin that ``model.name`` selects.
+* Models (``describe_model``, ``build_model``, ``hf_model_options``): the one model plugin that ``model.name``
+  selects (``hf_model_options``: every installed one when it is null).
 * Planning (``declare``, ``validate``, ``estimate_costs``, ``plan_options``): in the launching process,
   before any worker starts.
 * Ordered hooks (``convert_modules``, ``apply_parallelism``, ``after_init``, ``wrap_loss``) and events: every
@@ -136,6 +137,20 @@ def describe_model(model_config: DictConfig, vocab_size: int, seq_len: int) -> M
     :param vocab_size: The tokenizer's vocabulary size.
     :param seq_len: The training sequence length.
     :returns: A :class:`titan_core.ModelDescription`; raise ConfigError for bad options.
+    """
+
+
+@hookspec
+def hf_model_options(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``model.*`` options that rebuild the model a Hugging Face ``config.json`` describes.
+
+    Runs in the launcher and in every worker when ``model.path`` names a Hugging Face folder, before
+    ``describe_model``: on the model plugin ``model.name`` selects or, when it is null, on every installed model
+    plugin (exactly one must answer).
+
+    :param hf_config: The folder's ``config.json`` (transformers 4 or 5 field names).
+    :returns: The options (``name`` included) reproducing every field that changes the model's output, or None
+        when the file is not of this plugin's family (its ``model_type``).
     """
 
 

@@ -154,7 +154,10 @@ def check_key(key: str, preset: str) -> None:
         options, path = plugin_defaults(parts[1]), parts[:2]
         parts = parts[2:]
     elif parts[0] == "model" and len(parts) > 1:
-        options, path = family_defaults(preset_family(preset))[0], parts[:1]
+        family = preset_family(preset)
+        if family is None or parts[1:] == ["path"]:
+            return  # a folder's family, known once its config.json is read, refuses what it does not know
+        options, path = family_defaults(family)[0], parts[:1]
         parts = parts[1:]
     elif parts[0] in ("hydra", "plugins", "model", "defaults"):
         return

@@ -23,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
 from titan_core.job.command_line import check_command_line, register_with_hydra
+from titan_core.job.model_folder import apply_model_folder
 from titan_core.job.run_dir import under_torchrun
 from titan_core.launch.cluster import Nodes, job_nodes, workers_per_node
 from titan_core.launch.prepare import prepare
@@ -39,6 +40,7 @@ def hydra_main(config) -> None:
         # Rank 0 checks the job for every rank (what it reads is read once); if it refuses the job it exits
         # before the process group forms, and torchrun stops the others.
         if not config.launch.dry_run:
+            apply_model_folder(config)
             _exit_if_stopped(train(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), run_dir))
         return
     try:

@@ -9,6 +9,7 @@ import torch
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
 from titan_core.job.checks import check_job, check_memory
+from titan_core.job.model_folder import apply_model_folder, check_weights_loader
 from titan_core.job.run_dir import under_torchrun
 from titan_core.job.schema import check_config_kinds
 from titan_core.launch.cluster import Nodes, allocated_world_size, workers_per_node
@@ -35,13 +36,16 @@ def check_devices(launch, local_ranks: int) -> None:
 
 
 def prepare(config, nodes: Nodes) -> Plan:
-    """Validate everything and return the plan; raises ConfigError on bad input."""
+    """Validate everything and return the plan; raises ConfigError on bad input. A job starting from a Hugging
+    Face folder (``model.path``) has its model and tokenizer filled from it in ``config``."""
+    apply_model_folder(config)
     check_config_kinds(config)
     world_size = (int(os.environ["WORLD_SIZE"]) if under_torchrun() else
                   allocated_world_size(nodes, config.launch.device))
     vocab_size = load_tokenizer(config.tokenizer).vocab_size
     registry = Registry(config)
     plan = build_plan(config, registry, world_size, vocab_size)
+    check_weights_loader(config, registry)
     check_job(config, plan)
     check_memory(config, plan, registry)
     check_devices(config.launch, workers_per_node(plan.world_size, nodes))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,8 +30,16 @@ from titan_checkpoint.state import allocate, read_metadata
 def read_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Full tensors of every model parameter, by canonical name."""
     tensors = allocate(read_metadata(checkpoint), "model.")
-    dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=True)
+    load_in_this_process(tensors, checkpoint)
     return {k[len("model."):]: v for k, v in tensors.items()}
+
+
+def load_in_this_process(tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Fill ``tensors`` from the checkpoint without collectives (each rank of an export reads its own share)."""
+    with warnings.catch_warnings():
+        # DCP warns that it loads "in a single process": what this asks of it.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=True)
 
 
 def export_shares(metadata: dict, ranks: int) -> list[list[str]]:
@@ -58,7 +67,7 @@ def write_hf_share(checkpoint: Path, folder: Path, dtype: torch.dtype, metadata:
     if rank >= len(shares):  # more ranks than tensors
         return weight_map, total, 0
     tensors = allocate({k: metadata[k] for k in shares[rank]}, "model.")
-    dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=True)
+    load_in_this_process(tensors, checkpoint)
     save_safetensors({adapter.to_hf(k[len("model."):]): t.to(dtype).contiguous() for k, t in tensors.items()},
                      folder / files[rank], metadata={"format": "pt"})
     return weight_map, total, sum(t.nbytes for t in tensors.values())

@@ -61,8 +61,8 @@ def validate_options(config, plugin_config, plan) -> None:
     if plugin_config.load_path is not None and not isinstance(plugin_config.load_path, str):
         raise ConfigError("plugins.checkpoint.load_path", f"{plugin_config.load_path!r} is not a path",
                           "set a folder path (quoted if it looks like a number), or null")
-    if plugin_config.load_path:
-        kind, path = checkpoint_to_load(Path(plugin_config.load_path).expanduser())
+    if start_path(config, plugin_config) is not None:
+        kind, path = checkpoint_to_load(start_path(config, plugin_config))
         expected = {f"model.{k}": tuple(v.shape) for k, v in build_meta_model(config, plan.model).state_dict().items()}
         if kind == "hf":
             if plan.model.hf is None:
@@ -73,6 +73,13 @@ def validate_options(config, plugin_config, plan) -> None:
         else:
             saved = dcp_shapes(path)[1]
         check_model_matches(expected, saved, path, set(expected))
+
+
+def start_path(config, plugin_config) -> Path | None:
+    """What a run with no checkpoint of its own starts from: ``load_path``, else the Hugging Face folder of
+    ``model.path``, else nothing."""
+    path = plugin_config.load_path or config.model.get("path")
+    return None if path is None else Path(path).expanduser()
 
 
 def checkpoint_to_load(path: Path) -> tuple[str, Path]:
@@ -124,8 +131,8 @@ class Checkpointer:
             own = complete_checkpoints(self.folder)
             if own:  # a restart or rerun of this run continues it whole, from its newest intact save
                 candidates = [[("dcp", path, tuple(PARTS)) for _, path in reversed(own)]]
-            elif self.options.load_path:
-                kind, path = checkpoint_to_load(Path(self.options.load_path).expanduser())
+            elif (start := start_path(self.config, self.options)) is not None:
+                kind, path = checkpoint_to_load(start)
                 candidates = [[(kind, path, tuple(self.options.load_parts))]]
         dist.broadcast_object_list(candidates, src=0)
         if candidates[0] is None:
@@ -331,7 +338,8 @@ class CheckpointPlugin:
 
     @hookimpl
     def load_checkpoint(self, state, config, run_dir, plugin_config, plan):
-        """checkpoint: resume from this run's newest complete save, else from load_path, else start fresh."""
+        """checkpoint: resume from this run's newest complete save, else from load_path or model.path, else start
+        fresh."""
         self.checkpointer = Checkpointer(plugin_config, config, Path(run_dir), plan)
         return self.checkpointer.load(state)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                        hookimpl, read_options)
+                        check_hf_config, hookimpl, read_options)
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 
 FAMILY = "llama3"
@@ -86,6 +86,9 @@ def options_from_hf(config: dict) -> dict:
                           "import it with the model plugin of its family")
     rope = config.get("rope_parameters") or {**(config.get("rope_scaling") or {}),
                                              "rope_theta": config.get("rope_theta", 10000.0)}
+    check_hf_config({**config, "rope_type": rope.get("rope_type", rope.get("type", "default"))}, "Llama 3",
+                    hidden_act=("silu",), attention_bias=(False,), mlp_bias=(False,), rope_type=("default", "llama3"),
+                    head_dim=(config["hidden_size"] // config["num_attention_heads"],))
     scaled = rope.get("rope_type", rope.get("type")) == "llama3"
     intermediate = config["intermediate_size"]
     return {
@@ -143,6 +146,12 @@ def describe(args: LlamaArgs) -> ModelDescription:
         hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"output.weight": "tok_embeddings.weight"}),
     )
+
+
+@hookimpl
+def hf_model_options(hf_config):
+    """Llama 3: the options of a LlamaForCausalLM config.json."""
+    return options_from_hf(hf_config) if hf_config.get("model_type") == "llama" else None
 
 
 @hookimpl

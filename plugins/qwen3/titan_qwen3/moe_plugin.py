@@ -96,6 +96,8 @@ def options_from_hf(config: dict) -> dict:
     if "num_experts" not in config and "num_local_experts" in config:
         options["num_experts"] = config["num_local_experts"]
     options["norm_topk_prob"] = config.get("norm_topk_prob", False)  # transformers' default when unset
+    # transformers adds the load-balancing loss only with output_router_logits: training's choice, not the file's.
+    options.pop("router_aux_loss_coef", None)
     return options
 
 
@@ -246,6 +248,11 @@ class Qwen3MoePlugin:
     def describe_model(self, model_config, vocab_size, seq_len):
         """Qwen3-MoE: check the options; describe blocks, RoPE positions, the logits layer and HF names."""
         return describe(qwen3_moe_args(model_config, vocab_size, seq_len))
+
+    @hookimpl
+    def hf_model_options(self, hf_config):
+        """Qwen3-MoE: the options of a Qwen3MoeForCausalLM config.json."""
+        return options_from_hf(hf_config) if hf_config.get("model_type") == "qwen3_moe" else None
 
     @hookimpl
     def build_model(self, description):

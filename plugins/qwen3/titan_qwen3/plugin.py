@@ -6,7 +6,7 @@ import math
 from dataclasses import fields
 
 from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                        hookimpl, read_options)
+                        check_hf_config, hookimpl, read_options)
 from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
 
 FAMILY = "qwen3"
@@ -61,6 +61,8 @@ def hf_config(args: Qwen3Args, options=OPTIONS, architecture: str = "Qwen3ForCau
 def options_from_hf(config: dict, options=OPTIONS, family: str = FAMILY) -> dict:
     """``model.*`` options reproducing a Hugging Face Qwen3 config."""
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1000000.0)}
+    check_hf_config({**config, "rope_type": rope.get("rope_type", "default")}, family, hidden_act=("silu",),
+                    attention_bias=(False,), use_sliding_window=(False,), rope_type=("default",))
     values = {name: config[name] for name in options if name in config}
     return {"name": family, **values, "rope_theta": rope["rope_theta"]}
 
@@ -103,6 +105,12 @@ def describe(args: Qwen3Args) -> ModelDescription:
         hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
     )
+
+
+@hookimpl
+def hf_model_options(hf_config):
+    """Qwen3: the options of a Qwen3ForCausalLM config.json."""
+    return options_from_hf(hf_config) if hf_config.get("model_type") == "qwen3" else None
 
 
 @hookimpl

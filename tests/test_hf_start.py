@@ -1,0 +1,180 @@
+"""Starting from a Hugging Face folder (``model=hf model.path=<folder>``): folders that transformers itself wrote
+for every family titan-core ships give transformers' logits, train, and export a folder transformers reads with
+the trained model's logits; an option that disagrees with the folder's config.json is refused naming both."""
+
+import json
+import shutil
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_core import folder_config, load_tokenizer
+from titan_core.testing import config_error, error_line, install_plugins, run_job
+
+transformers = pytest.importorskip("transformers")
+from titan_checkpoint.generate import job_config, load_model  # noqa: E402  (after the skip: it needs safetensors)
+
+TOKENIZER = Path(str(files("titan_core") / "assets" / "tokenizer.json"))
+LOGIT_TOLERANCE = 1e-5
+TOKENS = [5, 17, 300, 42, 1000, 7, 99, 2047, 512, 3]
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+             vocab_size=2048, rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False)
+FAMILIES = {  # family: (transformers' model class, its config), each with a non-default RoPE base and norm epsilon
+    "llama3": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_theta=50000.0))),
+    "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=16, rope_theta=20000.0))),
+    "qwen3_moe": (lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SHAPE, head_dim=16, rope_theta=20000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False))),
+}
+# Each family trains under another plan: one process, two FSDP shards, two experts' ranks.
+PLANS = {"llama3": [], "qwen3": ["+plugins=[fsdp]", "plugins.fsdp.degree=2"],
+         "qwen3_moe": ["+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"]}
+
+
+def write_folder(folder: Path, family: str) -> Path:
+    """A folder as transformers saves it, with weights large enough that a misplaced one shows in the logits
+    (transformers' own initialization leaves logits near zero), and the shipped tokenizer."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    shutil.copyfile(TOKENIZER, folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {family: write_folder(root / family, family) for family in FAMILIES}
+
+
+def our_logits(source: Path, config_path: Path | None = None) -> torch.Tensor:
+    config = job_config(source, config_path)
+    config.training.seq_len = len(TOKENS)
+    with torch.no_grad():
+        return load_model(source, config)(torch.tensor([TOKENS]))[0]
+
+
+def their_logits(folder: Path) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_transformers_folder_gives_its_logits_trains_and_exports_to_transformers(folders, family, tmp_path):
+    folder = folders[family]
+    assert folder_config(folder, 32).model.name == family
+    expected = their_logits(folder)
+    start = our_logits(folder)
+    diff = (start - expected).abs().max().item()
+    print(f"{family}: max logit diff against transformers on its own folder {diff:.2e} (logits up to "
+          f"{expected.abs().max().item():.1f})")
+    assert diff <= LOGIT_TOLERANCE
+
+    run_job(["model=hf", f"model.path={folder}", "+plugins=[checkpoint]", *PLANS[family],
+             "plugins.checkpoint.export_hf=true", "training.steps=3", "training.seq_len=32",
+             "training.global_batch_size=4", "optimizer.lr=1e-3", "lr_scheduler.warmup_steps=1"], tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    trained = our_logits(checkpoints / "step-3")
+    exported = their_logits(checkpoints / "hf-step-3")
+    moved = (trained - start).abs().max().item()
+    print(f"{family}: after 3 steps the logits moved {moved:.3f}; transformers on the export differs by "
+          f"{(exported - trained).abs().max().item():.2e}")
+    assert (exported - trained).abs().max().item() <= LOGIT_TOLERANCE
+    assert 1e-3 < moved
+
+
+def test_the_generate_command_continues_a_text_as_transformers_does(folders, tmp_path):
+    folder = folders["qwen3"]
+    command = [sys.executable, "-m", "titan_checkpoint.generate", str(folder), "--text", "Once upon a time",
+               "--new-tokens", "6", "--logits", str(tmp_path / "logits.pt")]
+    printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    tokenizer = load_tokenizer(folder_config(folder, 32).tokenizer)
+    prompt = torch.tensor([[tokenizer.bos_id, *tokenizer.encode("Once upon a time")]])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(prompt).logits[0]
+        continued = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_id)
+    assert (torch.load(tmp_path / "logits.pt") - expected).abs().max().item() <= LOGIT_TOLERANCE
+    assert printed.rstrip("\n") == tokenizer.decode(continued[0, prompt.shape[1]:].tolist())
+
+
+@pytest.mark.parametrize("override, field, said", [
+    ("+model.rope_theta=10000", "model.rope_theta", "10000 disagrees with 20000.0"),
+    ("+model.rms_norm_eps=1e-5", "model.rms_norm_eps", "1e-05 disagrees with 1e-06"),
+    ("+model.norm_topk_prob=true", "model.norm_topk_prob", "True disagrees with False"),
+    ("model.name=qwen3", "model.path", "model_type 'qwen3_moe', which model 'qwen3' does not read"),
+])
+def test_an_option_disagreeing_with_the_folder_is_refused_naming_both_values(folders, override, field, said):
+    error = config_error("model=hf", f"model.path={folders['qwen3_moe']}", "+plugins=[checkpoint]", override)
+    assert error.field == field and said in str(error)
+
+
+def test_a_folder_the_job_cannot_honour_is_refused(folders, tmp_path):
+    qwen3 = ["model=hf", f"model.path={folders['qwen3']}"]
+    assert "would train from random weights" in str(config_error(*qwen3))
+    assert config_error("model=qwen3_tiny", f"+model.path={folders['qwen3']}", "+plugins=[checkpoint]").field \
+        == "model.num_hidden_layers"
+    broken = shutil.copytree(folders["qwen3"], tmp_path / "broken")
+    settings = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**settings, "attention_bias": True}))
+    assert "config.json sets attention_bias=True, which qwen3 does not compute" in str(
+        config_error("model=hf", f"model.path={broken}", "+plugins=[checkpoint]"))
+    (broken / "config.json").write_text(json.dumps({**settings, "model_type": "gpt_neox"}))
+    assert "model_type 'gpt_neox', which any installed model plugin" in str(
+        config_error("model=hf", f"model.path={broken}", "+plugins=[checkpoint]"))
+    (broken / "config.json").write_text(json.dumps(settings))
+    (broken / "tokenizer.json").unlink()
+    error = config_error("model=hf", f"model.path={broken}", "+plugins=[checkpoint]")
+    assert error.field == "tokenizer.path" and "has no tokenizer.json" in str(error)
+    assert "has no config.json" in str(config_error("model=hf", f"model.path={tmp_path}", "+plugins=[checkpoint]"))
+    assert config_error("model=hf", "model.path=7", "+plugins=[checkpoint]").field == "model.path"
+
+
+def test_transformers_4_and_5_field_names_give_the_same_options(folders, tmp_path):
+    """transformers 5 writes rope_parameters and num_local_experts; 4 wrote rope_theta and num_experts; a Qwen
+    folder without a begin-of-text token starts documents with its end-of-text token."""
+    new = folder_config(folders["qwen3_moe"], 32)
+    old = shutil.copytree(folders["qwen3_moe"], tmp_path / "old")
+    settings = json.loads((old / "config.json").read_text())
+    settings["rope_theta"] = settings.pop("rope_parameters")["rope_theta"]
+    settings["num_experts"] = settings.pop("num_local_experts")
+    (old / "config.json").write_text(json.dumps(settings))
+    (old / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": {"content": "<|end_of_text|>"}}))
+    legacy = folder_config(old, 32)
+    assert {**legacy.model, "path": None} == {**new.model, "path": None}
+    assert legacy.tokenizer.bos_token == legacy.tokenizer.eos_token == "<|end_of_text|>"
+
+
+# A third party's fork of Qwen3, written from docs/writing-models.md: it reads the same config.json.
+FORK = """
+from titan_core import check_hf_config, hookimpl
+
+
+@hookimpl
+def hf_model_options(hf_config):
+    if hf_config.get("model_type") != "qwen3":
+        return None
+    check_hf_config(hf_config, "qwen3_fork", hidden_act=("silu",))
+    return {"name": "qwen3_fork", "width": hf_config["hidden_size"]}
+"""
+
+
+def test_two_installed_models_reading_one_folder_are_refused_until_one_is_named(folders, tmp_path):
+    env = install_plugins(tmp_path / "site", {}, distribution="fork", models={"qwen3_fork": (FORK, {"fork": "name: qwen3_fork\n"})})
+    job = ["model=hf", f"model.path={folders['qwen3']}", "+plugins=[checkpoint]", "launch.dry_run=true"]
+    refused = run_job(job, tmp_path / "both", expect_success=False, env=env)
+    assert ("model.path: model plugins qwen3, qwen3_fork all read model_type 'qwen3'; fix: choose one with "
+            "model.name=qwen3") in error_line(refused)
+    chosen = run_job([*job, "model.name=qwen3"], tmp_path / "chosen", env=env)
+    assert "model qwen3" in chosen.stdout

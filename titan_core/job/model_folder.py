@@ -1,0 +1,121 @@
+"""``model.path``: a job that starts from a Hugging Face folder takes its model and tokenizer from the folder.
+
+The folder's ``config.json`` gives the model's options through the model plugin of its family (the
+``hf_model_options`` hook), so nobody re-types them; an option set otherwise that disagrees with the file would
+build another model silently (a RoPE base, a norm epsilon and a routing rule change no tensor's shape), so it is
+refused. The folder's ``tokenizer.json`` and special tokens replace the built-in tokenizer. Its weights are loaded
+by the plugin that loads checkpoints; a job without one would train from random weights, so it is refused too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pluggy
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from titan_core import hookspecs
+from titan_core.capabilities import CHECKPOINTING
+from titan_core.errors import ConfigError
+from titan_core.job.schema import core_defaults
+from titan_core.plugins import Registry, installed_models, model_name, plugin_object
+
+FIELD = "model.path"
+CORE_KEYS = ("name", "path")  # the model section's keys that are the core's, not the family's
+
+
+def apply_model_folder(config) -> None:
+    """Fill ``config.model`` and ``config.tokenizer`` in place from the folder ``model.path`` names (nothing
+    when it is null). Applying it twice changes nothing, so every process of a job may apply it."""
+    path = (config.get("model") or {}).get("path")
+    if path is None:
+        return
+    if not isinstance(path, str) or not path:
+        raise ConfigError(FIELD, f"{path!r} is not a folder path", "set model.path to a Hugging Face model folder")
+    folder = Path(path).expanduser()
+    hf_config = read_config_json(folder)
+    options = folder_options(hf_config, config.model.get("name"), folder)
+    for key, value in config.model.items():
+        if key not in CORE_KEYS and key in options and value is not None and value != options[key]:
+            raise ConfigError(f"model.{key}", f"{value!r} disagrees with {options[key]!r} in {folder / 'config.json'}",
+                              f"drop model.{key} to take the folder's value (or use another folder)")
+    with open_dict(config):
+        config.model = {**config.model, **options, "path": path}
+        config.tokenizer = folder_tokenizer(config.tokenizer, folder)
+
+
+def folder_config(folder: str | Path, seq_len: int) -> DictConfig:
+    """The ``model``, ``tokenizer`` and ``training.seq_len`` sections a job starting from the Hugging Face
+    ``folder`` gets, for tools that train nothing (``model_description``, ``build_meta_model``, ``load_tokenizer``
+    take it)."""
+    config = OmegaConf.create({"model": {"name": None, "path": str(folder)}, "tokenizer": core_defaults()["tokenizer"],
+                               "training": {"seq_len": seq_len}})
+    apply_model_folder(config)
+    return config
+
+
+def read_config_json(folder: Path) -> dict:
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ConfigError(FIELD, f"{folder} has no config.json", "point model.path at a Hugging Face model folder")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(FIELD, f"cannot read {file} ({error})", "fix or replace the folder's config.json") from None
+
+
+def folder_options(hf_config: dict, name: str | None, folder: Path) -> dict:
+    """The options of the one model plugin that reads ``hf_config``: the one ``name`` selects, else whichever
+    installed one claims the file."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager.add_hookspecs(hookspecs)
+    models = installed_models()
+    if name is not None:
+        models = {name: models[model_name({"model": {"name": name}})]}
+    for model, entry_point in models.items():
+        manager.register(plugin_object(entry_point), name=model)
+    answers = [a for a in manager.hook.hf_model_options(hf_config=hf_config) if a is not None]
+    model_type = hf_config.get("model_type")
+    if not answers:
+        readers = f"model '{name}'" if name else f"any installed model plugin ({', '.join(sorted(models))})"
+        raise ConfigError(FIELD, f"{folder / 'config.json'} is model_type '{model_type}', which {readers} does not read",
+                          "install the model plugin of its family" + (", or set model.name=null" if name else ""))
+    if len(answers) > 1:
+        names = sorted(str(a.get("name")) for a in answers)
+        raise ConfigError(FIELD, f"model plugins {', '.join(names)} all read model_type '{model_type}'",
+                          f"choose one with model.name={names[0]}")
+    return answers[0]
+
+
+def folder_tokenizer(tokenizer, folder: Path) -> dict:
+    """``tokenizer`` with the folder's tokenizer.json and special tokens where it keeps the core's defaults."""
+    defaults = core_defaults()["tokenizer"]
+    tokenizer = dict(tokenizer)
+    if tokenizer["path"] == defaults["path"]:
+        if not (folder / "tokenizer.json").is_file():
+            raise ConfigError("tokenizer.path", f"{folder} has no tokenizer.json and the built-in tokenizer's ids are "
+                              "other text than the model's", "set tokenizer.path to the model's tokenizer.json")
+        tokenizer["path"] = str(folder)
+    settings = folder / "tokenizer_config.json"
+    special = json.loads(settings.read_text()) if settings.is_file() else {}
+    eos = token_text(special.get("eos_token"))
+    # A model without a begin-of-text token (Qwen) was pretrained on documents its end-of-text token separates.
+    bos = token_text(special.get("bos_token")) or eos
+    for key, value in (("bos_token", bos), ("eos_token", eos)):
+        if value is not None and tokenizer[key] == defaults[key]:
+            tokenizer[key] = value
+    return tokenizer
+
+
+def token_text(token) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or a record holding it as ``content``."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def check_weights_loader(config, registry: Registry) -> None:
+    """A job starting from a folder has a plugin that loads its weights."""
+    if (config.get("model") or {}).get("path") is not None and registry.owner("load_checkpoint") is None:
+        raise ConfigError(FIELD, "no enabled plugin loads checkpoints, so the folder's weights would not be loaded "
+                          "and the model would train from random weights",
+                          f"add a plugin that provides '{CHECKPOINTING}' (implements load_checkpoint) to +plugins=[...]")
