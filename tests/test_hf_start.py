@@ -6,19 +6,17 @@ import json
 import shutil
 import subprocess
 import sys
-from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import torch
 
 from titan_core import folder_config, load_tokenizer
-from titan_core.testing import config_error, error_line, install_plugins, run_job
+from titan_core.testing import config_error, error_line, install_plugins, run_job, write_hf_folder
 
 transformers = pytest.importorskip("transformers")
 from titan_checkpoint.generate import job_config, load_model  # noqa: E402  (after the skip: it needs safetensors)
 
-TOKENIZER = Path(str(files("titan_core") / "assets" / "tokenizer.json"))
 LOGIT_TOLERANCE = 1e-5
 TOKENS = [5, 17, 300, 42, 1000, 7, 99, 2047, 512, 3]
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
@@ -35,25 +33,10 @@ PLANS = {"llama3": [], "qwen3": ["+plugins=[fsdp]", "plugins.fsdp.degree=2"],
          "qwen3_moe": ["+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"]}
 
 
-def write_folder(folder: Path, family: str) -> Path:
-    """A folder as transformers saves it, with weights large enough that a misplaced one shows in the logits
-    (transformers' own initialization leaves logits near zero), and the shipped tokenizer."""
-    torch.manual_seed(0)
-    model = FAMILIES[family]()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0, 0.1)
-    model.save_pretrained(folder)
-    shutil.copyfile(TOKENIZER, folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {family: write_folder(root / family, family) for family in FAMILIES}
+    return {family: write_hf_folder(FAMILIES[family](), root / family) for family in FAMILIES}
 
 
 def our_logits(source: Path, config_path: Path | None = None) -> torch.Tensor:

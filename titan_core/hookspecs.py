@@ -419,7 +419,7 @@ def save_checkpoint(state: TrainState, step: int, config: DictConfig, final: boo
 
 
 @hookspec
-def on_train_end(state: TrainState, preempted: bool, config: DictConfig, plugin_config: DictConfig,
+def on_train_end(state: TrainState, preempted: bool, run_dir: Path, config: DictConfig, plugin_config: DictConfig,
                  plan: Plan) -> None:
     """Event: training ended and its last checkpoint hook returned.
 
@@ -427,6 +427,7 @@ def on_train_end(state: TrainState, preempted: bool, config: DictConfig, plugin_
 
     :param preempted: True when a signal stopped the run before ``training.steps`` (its state was saved if a
         checkpoint plugin is on); False when every step ran.
+    :param run_dir: The job's run dir, where a plugin writes what the run leaves (an adapter export).
     """
 
 

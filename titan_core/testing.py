@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,8 +31,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from titan_core.data import load_tokenizer
+from titan_core.data import load_tokenizer, tokenizer_file
 from titan_core.errors import ConfigError
 from titan_core.initialization import init_weights
 from titan_core.launch.prepare import prepare
@@ -41,7 +43,8 @@ from titan_core.plugins import Registry
 
 __all__ = ["TINY", "LOSS_TOL", "PARAM_TOL", "FLOAT8_LOSS_TOL", "FLOAT8_PARAM_TOL", "CONFORMANCE", "Case", "JobResult",
            "ParityReport", "built_model", "compare", "compose", "config_error", "error_line", "init_weights",
-           "install_plugins", "merged", "model_conformance", "run_job", "titan_parity", "titan_reference"]
+           "install_plugins", "merged", "model_conformance", "run_job", "titan_parity", "titan_reference",
+           "write_hf_folder"]
 # A model and batch small enough that four processes run five steps in seconds on two cores.
 TINY = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8",
         "training.steps=5", "optimizer.lr=1e-3", "optimizer.weight_decay=0.0", "lr_scheduler.warmup_steps=1",
@@ -121,6 +124,23 @@ def built_model(*overrides: str, seed: int = 0) -> torch.nn.Module:
     model.to_empty(device="cpu")
     init_weights(model, description, seed)
     return model
+
+
+def write_hf_folder(model: torch.nn.Module, folder: Path) -> Path:
+    """Save a transformers model as a Hugging Face folder with the shipped tokenizer, after drawing its weights
+    large enough that a misplaced one shows in the logits (transformers' own initialization leaves them near
+    zero): norms in [0.5, 1.5], the rest N(0, 0.1), from seed 0."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            values = (torch.rand(param.shape, generator=generator) + 0.5 if "norm" in name
+                      else torch.randn(param.shape, generator=generator) * 0.1)
+            param.copy_(values)
+    model.save_pretrained(folder)
+    shutil.copyfile(tokenizer_file(OmegaConf.create({"path": "builtin"})), folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    return folder
 
 
 def config_error(*overrides: str):

@@ -197,7 +197,8 @@ class Trainer:
             hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True, preempted=False,
                         check_finite=self.finite.check)
         self.metrics.close()
-        hooks.each("on_train_end", state=state, preempted=stopped is not None, config=config)
+        hooks.each("on_train_end", state=state, preempted=stopped is not None, run_dir=self.run_dir,
+                   config=config)
         if stopped is not None:
             what = f"saved {saved}" if saved is not None else "nothing saved (no checkpoint plugin)"
             log.info("stopped by %s after step %d of %d: %s", stopped.name, state.step, steps, what)

@@ -135,8 +135,9 @@ def hf_shapes(folder: Path, adapter: HFAdapter, names) -> dict[str, tuple]:
 
 
 @torch.no_grad()
-def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter) -> int:
-    """Copy each parameter's local slice from the folder's files into the model; returns the bytes read.
+def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter, names: set[str] | None = None) -> int:
+    """Copy each parameter's local slice (of those ``names`` lists by canonical name, or all) from the folder's
+    files into the model; returns the bytes read.
 
     A rank reads only the box of each tensor it holds (a shard under FSDP/TP, the whole tensor otherwise).
     """
@@ -146,6 +147,8 @@ def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter) -> int:
         handles = {path: stack.enter_context(safe_open(path, "pt")) for path in set(files.values())}
         for part in model_parts:
             for name, param in part.named_parameters():
+                if names is not None and canonical_name(name) not in names:
+                    continue
                 hf_name = source_name(canonical_name(name), adapter, files)
                 local, offset = local_box(param)
                 box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))

@@ -82,6 +82,18 @@ def start_path(config, plugin_config) -> Path | None:
     return None if path is None else Path(path).expanduser()
 
 
+def check_exportable(tensors: dict[str, torch.Tensor], config, description) -> None:
+    """A Hugging Face folder holds the model its plugin builds: a tensor a module conversion added (LoRA's
+    adapters) has no name there, and leaving it out would export another model."""
+    built = set(build_meta_model(config, description).state_dict())
+    added = sorted(k for k in tensors if k[len("model."):] not in built)
+    if added:
+        raise ConfigError("plugins.checkpoint.export_hf", f"the model holds {added[0][len('model.'):]} (and "
+                          f"{len(added) - 1} more), added by a module conversion, which a Hugging Face folder of "
+                          f"'{description.family}' cannot hold", "set export_hf=false and export them as the plugin "
+                          "that added them does (LoRA: its PEFT adapter, or a merged folder)")
+
+
 def checkpoint_to_load(path: Path) -> tuple[str, Path]:
     """What ``load_path`` names: ("hf", folder), ("dcp", step dir) or, for a checkpoints folder, its newest."""
     if (path / "config.json").is_file():
@@ -124,6 +136,8 @@ class Checkpointer:
         self.deletions = Deletions()
 
     def load(self, state) -> int | None:
+        if self.options.export_hf:
+            check_exportable(model_tensors(state.model_parts), self.config, self.description)
         candidates = [None]
         if self.rank == 0:  # rank 0 lists them, so that every rank loads the same checkpoint
             if self.folder.is_dir():
@@ -272,9 +286,11 @@ class Checkpointer:
         """Initialize the model from a Hugging Face folder, each rank reading only its slices."""
         adapter = self.description.hf
         read_hf_config(folder, adapter)
-        wanted = model_tensors(model_parts)
+        # The model its plugin builds: what a module conversion added (LoRA's adapters) is not in the folder.
+        built = set(build_meta_model(self.config, self.description).state_dict())
+        wanted = {k: v for k, v in model_tensors(model_parts).items() if k[len("model."):] in built}
         check_loadable(wanted, hf_shapes(folder, adapter, [k[len("model."):] for k in wanted]), folder)
-        read = load_hf_slices(model_parts, folder, adapter)
+        read = load_hf_slices(model_parts, folder, adapter, built)
         log.info("read %d bytes of %s on this rank", read, folder)
 
     def wait(self) -> None:

@@ -1,0 +1,177 @@
+"""LoRA against transformers + PEFT: from the same adapter weights, the same batches and the same AdamW, our losses
+are PEFT's; our adapter export read by PEFT gives the trained model's logits; the merged folder gives them in
+transformers alone; every plan equals one process; the optimizer holds state for the adapters only."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titan_core.testing import LOSS_TOL, compare, config_error, error_line, install_plugins, run_job, write_hf_folder
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+RANK, ALPHA, STEPS, LR = 4, 8.0, 4, 1e-2
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LOGIT_TOLERANCE = 1e-5
+TRAJECTORY_TOLERANCE = 1e-4  # the logits move by ~4: a wrong adapter or scale is off by far more
+TOKENS = torch.tensor([[5, 17, 300, 42, 1000, 7, 99, 2047, 512, 3]])
+
+# Writes each training micro-batch it sees: PEFT then trains on exactly these.
+RECORDER = """
+import torch
+from titan_core import hookimpl
+
+
+class Recorder:
+    def __init__(self):
+        self.seen = 0
+
+    @hookimpl
+    def batch_context(self, inputs, labels, model_parts, plugin_config):
+        if model_parts[0].training:
+            torch.save({"inputs": inputs.clone(), "labels": labels.clone()}, f"{plugin_config.out}/batch{self.seen}.pt")
+            self.seen += 1
+"""
+
+
+def qwen3() -> torch.nn.Module:
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=2048, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """A Qwen3 folder transformers wrote, and a PEFT adapter on it whose B is not zero (so the first step already
+    trains both matrices)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = write_hf_folder(qwen3(), root / "base")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=MODULES, lora_dropout=0.0,
+                                                init_lora_weights=False))
+    model.save_pretrained(root / "adapter")
+    return base, root / "adapter"
+
+
+def lora_job(base: Path, adapter: Path, *extra: str, plugins: str = "") -> list[str]:
+    return ["model=hf", f"model.path={base}", f"+plugins=[checkpoint,lora{plugins}]", f"plugins.lora.rank={RANK}",
+            f"plugins.lora.alpha={ALPHA}", f"plugins.lora.init_from={adapter}", f"training.steps={STEPS}",
+            "training.seq_len=32", "training.global_batch_size=4", f"optimizer.lr={LR}", "lr_scheduler.warmup_steps=0",
+            "lr_scheduler.decay=none", "training.max_norm=null", "metrics.log_every=1", "metrics.tensorboard=false",
+            "plugins.checkpoint.interval=2", "launch.device=cpu", *extra]
+
+
+def losses(run: Path) -> list[float]:
+    return [line["loss"] for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in line]
+
+
+@pytest.fixture(scope="module")
+def one_process(start, tmp_path_factory):
+    base, adapter = start
+    run = tmp_path_factory.mktemp("one")
+    (run / "batches").mkdir()
+    env = install_plugins(run / "site", {"recorder": (RECORDER, "out: null\n")}, distribution="recorder",
+                          plugin_objects={"recorder": "Recorder"})
+    result = run_job([*lora_job(base, adapter, f"plugins.recorder.out={run / 'batches'}", plugins=",recorder")],
+                     run / "run", env=env)
+    return result
+
+
+def peft_training(base: Path, adapter: Path, batches: Path):
+    """STEPS steps of transformers + PEFT on the recorded batches, with torch's AdamW as titan-core sets it up."""
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                           adapter, is_trainable=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    found = []
+    for step in range(STEPS):
+        batch = torch.load(batches / f"batch{step}.pt")
+        logits = model(batch["inputs"]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        found.append(loss.item())
+    return model.eval(), found
+
+
+@pytest.mark.slow
+def test_lora_trains_as_peft_does_and_peft_reads_its_adapter(start, one_process, tmp_path):
+    base, adapter = start
+    model, expected = peft_training(base, adapter, one_process.run_dir.parent / "batches")
+    ours = losses(one_process.run_dir)
+    print(f"losses, ours vs PEFT: {ours} vs {expected}; max diff {max(abs(a - b) for a, b in zip(ours, expected)):.2e}")
+    assert len(ours) == STEPS and max(abs(a - b) for a, b in zip(ours, expected)) <= 1e-5
+    assert ours[-1] < ours[0] - 0.05  # it learned: a frozen or unread adapter would not
+
+    exported = one_process.run_dir / f"adapter-step-{STEPS}"
+    reread = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                            exported).eval()
+    with torch.no_grad():
+        trained, read_back = model(TOKENS).logits, reread(TOKENS).logits
+        untrained = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(TOKENS).logits
+    merged = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(exported), str(merged)], check=True,
+                   capture_output=True)
+    with torch.no_grad():
+        alone = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(TOKENS).logits
+    print(f"PEFT reading our adapter vs transformers on the merged folder: {(read_back - alone).abs().max().item():.2e}; "
+          f"vs PEFT's own training: {(read_back - trained).abs().max().item():.2e} (training moved the logits "
+          f"{(trained - untrained).abs().max().item():.3f})")
+    assert (read_back - alone).abs().max().item() <= LOGIT_TOLERANCE
+    # Two trajectories of AdamW (lr 1e-2) four steps long, whose losses agreed to 1e-6 at every step.
+    assert (read_back - trained).abs().max().item() <= TRAJECTORY_TOLERANCE
+
+
+def test_the_checkpoint_holds_optimizer_state_for_the_adapters_only(one_process):
+    """14 adapted linears (7 per block), two matrices each: AdamW's moments exist for those 28 tensors alone."""
+    metadata = dcp.FileSystemReader(str(one_process.run_dir / "checkpoints" / f"step-{STEPS}")).read_metadata()
+    moments = sorted(k for k in metadata.state_dict_metadata if k.startswith("optimizer.") and k.endswith(".exp_avg"))
+    assert len(moments) == 28 and all(".lora_A." in k or ".lora_B." in k for k in moments)
+    adapter_values = sum(metadata.state_dict_metadata[k].size.numel() for k in moments)
+    model_values = sum(m.size.numel() for k, m in metadata.state_dict_metadata.items() if k.startswith("model."))
+    print(f"optimizer moments: {adapter_values} values per slot for a model of {model_values}")
+    assert adapter_values * 20 < model_values
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin, options", [("fsdp", ["plugins.fsdp.degree=2"]),
+                                             ("pp", ["plugins.pp.degree=2", "training.grad_accum_steps=2"]),
+                                             ("cp", ["plugins.cp.degree=2"]), ("ac,compile", [])],
+                         ids=["fsdp2", "pp2", "cp2", "ac-compile"])
+def test_every_plan_equals_one_process(start, one_process, plugin, options, tmp_path):
+    base, adapter = start
+    result = run_job(lora_job(base, adapter, *options, plugins=f",{plugin}"), tmp_path)
+    ours, reference = losses(result.run_dir), losses(one_process.run_dir)
+    print(f"{plugin}: max loss diff to one process {max(abs(a - b) for a, b in zip(ours, reference)):.2e}")
+    assert max(abs(a - b) for a, b in zip(ours, reference)) <= LOSS_TOL
+
+
+def test_what_lora_cannot_do_is_refused(start):
+    base, adapter = start
+    job = ["model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]"]
+    error = config_error(*job, "plugins.lora.targets=[experts]")
+    assert error.field == "plugins.lora.targets" and "experts are grouped tensors" in str(error)
+    assert "unknown target 'attn'" in str(config_error(*job, "plugins.lora.targets=[attn]"))
+    error = config_error("model=hf", f"model.path={base}", "+plugins=[checkpoint,lora,tp]", "plugins.tp.degree=2")
+    assert error.field == "plugins.lora" and "tensor parallel" in str(error)
+    error = config_error(*job, f"plugins.lora.init_from={adapter}", "plugins.lora.rank=8")
+    assert error.field == "plugins.lora.rank" and f"8 disagrees with {RANK}" in str(error)
+    assert config_error(*job, "plugins.lora.rank=0").field == "plugins.lora.rank"
+    assert config_error(*job, "plugins.lora.dropout=1.0").field == "plugins.lora.dropout"
+
+
+def test_a_hugging_face_export_of_a_lora_model_is_refused_before_training(start, tmp_path):
+    base, _ = start
+    result = run_job(["model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]", "plugins.checkpoint.export_hf=true",
+                      "training.steps=1", "training.seq_len=32", "training.global_batch_size=2"], tmp_path,
+                     expect_success=False)
+    assert result.returncode != 0 and not (tmp_path / "metrics.jsonl").exists()
+    assert "export_hf: the model holds layers.0.mlp.down_proj.lora_A.weight (and 27 more)" in error_line(result)

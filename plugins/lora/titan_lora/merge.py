@@ -1,0 +1,85 @@
+"""Fold a PEFT LoRA adapter into its base model's Hugging Face folder, on one process.
+
+    python -m titan_lora.merge /models/Qwen3-0.6B outputs/<run>/adapter-step-500 qwen3-0.6B-tuned
+
+Every adapted weight becomes ``W + scale * B @ A`` (scale ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA); the
+other tensors and files (config.json, tokenizer) are copied. The output is written as ``<out>.partial`` and
+renamed when complete. It needs as much memory as the largest safetensors file of the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_updates(adapter: Path) -> dict[str, torch.Tensor]:
+    """``scale * B @ A`` of every adapted weight, by the base folder's tensor name."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    updates = {}
+    for name, a in tensors.items():
+        if name.endswith(".lora_A.weight"):
+            b = tensors[name.replace(".lora_A.", ".lora_B.")]
+            updates[name.removeprefix(PEFT_PREFIX).replace(".lora_A.weight", ".weight")] = scale * (b.double() @ a.double())
+    return updates
+
+
+def merge(base: Path, adapter: Path, out: Path) -> int:
+    """Write the merged folder; returns how many weights the adapter changed."""
+    updates = adapter_updates(adapter)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    merged: set[str] = set()
+    for file in sorted(base.iterdir()):
+        if file.suffix != ".safetensors":
+            if file.is_file() and file.name != "config.json":
+                shutil.copyfile(file, partial / file.name)
+            continue
+        with safe_open(file, "pt") as handle:
+            metadata = handle.metadata()
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        for name in tensors.keys() & updates.keys():
+            tensors[name] = (tensors[name].double() + updates[name]).to(tensors[name].dtype)
+            merged.add(name)
+        save_file(tensors, partial / file.name, metadata=metadata)
+    if len(merged) != len(updates):
+        shutil.rmtree(partial)
+        missing = sorted(updates.keys() - merged)[0]
+        raise ValueError(f"{base} lacks the weights the adapter changes (e.g. {missing}): is it the adapter's base?")
+    shutil.copyfile(base / "config.json", partial / "config.json")  # last: a folder with it is complete
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    return len(merged)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m titan_lora.merge", description=__doc__.splitlines()[0])
+    parser.add_argument("base", type=Path, help="the base model's Hugging Face folder")
+    parser.add_argument("adapter", type=Path, help="a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
+    parser.add_argument("out", type=Path, help="the merged folder to write")
+    args = parser.parse_args(argv)
+    for folder, file in ((args.base, "config.json"), (args.adapter, "adapter_config.json")):
+        if not (folder / file).is_file():
+            parser.error(f"{folder} has no {file}")
+    try:
+        merged = merge(args.base, args.adapter, args.out)
+    except ValueError as error:
+        sys.exit(f"titan-lora: error: {error}")
+    print(f"wrote {args.out} ({merged} weights merged)")
+
+
+if __name__ == "__main__":
+    main()
