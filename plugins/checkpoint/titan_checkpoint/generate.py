@@ -47,7 +47,13 @@ def load_model(source: Path, config) -> torch.nn.Module:
     if is_hf_folder(source):
         load_hf_slices([model], source, description.hf)
     else:
-        model.load_state_dict({name: tensor.float() for name, tensor in read_model_weights(source).items()})
+        weights = read_model_weights(source)
+        if weights.keys() != model.state_dict().keys():
+            odd = sorted(weights.keys() ^ model.state_dict().keys())[0]
+            raise ConfigError("checkpoint", f"{source} does not hold the weights of model '{description.family}' "
+                              f"(it {'has' if odd in weights else 'lacks'} {odd})",
+                              "look at the Hugging Face export, or at a merged folder of an adapter run")
+        model.load_state_dict({name: tensor.float() for name, tensor in weights.items()})
     return model.eval()
 
 

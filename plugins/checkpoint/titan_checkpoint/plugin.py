@@ -23,6 +23,7 @@ import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titan_core import (CHECKPOINTING, FLOAT_DTYPES, ConfigError, Declaration, StorageError, build_meta_model,
-                        device_kind, float_dtype, hookimpl, lacks)
+                        canonical_name, device_kind, float_dtype, hookimpl, lacks)
 from titan_checkpoint.convert import write_hf_share
 from titan_checkpoint.files import Deletions, damaged_files, partial_of, record_checksums, recover, swap_in
 from titan_checkpoint.hf import hf_shapes, load_hf_slices, read_hf_config, write_hf_index
@@ -133,11 +134,14 @@ class Checkpointer:
                        AsyncCheckpointerType.THREAD)
         self.pending: Future | None = None
         self.saved_step: int | None = None
+        self.base_folder: Path | None = None
+        self.unsaved: frozenset[str] = frozenset()
         self.deletions = Deletions()
 
     def load(self, state) -> int | None:
         if self.options.export_hf:
             check_exportable(model_tensors(state.model_parts), self.config, self.description)
+        self.base_folder, self.unsaved = self.frozen_base(state.model_parts)
         candidates = [None]
         if self.rank == 0:  # rank 0 lists them, so that every rank loads the same checkpoint
             if self.folder.is_dir():
@@ -156,10 +160,26 @@ class Checkpointer:
             self.load_hf(state.model_parts, path)
             step = 0
         else:
-            step = load_training_state(state, path, parts)
+            if self.unsaved:  # the frozen base this run's checkpoints leave to the folder it started from
+                self.load_hf(state.model_parts, self.base_folder)
+            step = load_training_state(state, path, parts, self.unsaved)
         log.info("loaded %s: continuing after step %d (%s)", path, step, ", ".join(parts) if kind == "dcp" else "weights")
         self.saved_step = step if path.parent == self.folder else None
         return step
+
+    def frozen_base(self, model_parts) -> tuple[Path | None, frozenset[str]]:
+        """The Hugging Face folder the run started from and the checkpoint keys of the frozen weights it holds
+        (a LoRA run's base): checkpoints leave those out, and a resume reads them from the folder again."""
+        start = start_path(self.config, self.options)
+        if start is None or checkpoint_to_load(start)[0] != "hf":
+            return None, frozenset()
+        built = set(build_meta_model(self.config, self.description).state_dict())
+        return start, frozenset(f"model.{canonical_name(n)}" for part in model_parts for n, p in part.named_parameters()
+                                if not p.requires_grad and canonical_name(n) in built)
+
+    def training_state(self, state) -> dict[str, torch.Tensor]:
+        """What a save writes: the whole training state but the frozen base a start folder holds."""
+        return {k: v for k, v in training_tensors(state).items() if k not in self.unsaved}
 
     def first_intact(self, candidates: list[tuple]) -> tuple:
         """The first checkpoint whose files all match their checksums; each rank checks its share of each."""
@@ -185,7 +205,7 @@ class Checkpointer:
         if preempted:  # the whole state, now: the next run of the same command resumes from it
             self.wait()
             if self.saved_step != step:
-                return self.write(training_tensors(state), f"step-{step}", asynchronous=False)
+                return self.write(self.training_state(state), f"step-{step}", asynchronous=False)
             return self.folder / f"step-{step}"
         if final:
             self.wait()
@@ -194,14 +214,14 @@ class Checkpointer:
                 saved = self.write({k: v.to(dtype) for k, v in model_tensors(state.model_parts).items()},
                                    f"weights-step-{step}", asynchronous=False)
             elif self.saved_step != step:
-                saved = self.write(training_tensors(state), f"step-{step}", asynchronous=False)
+                saved = self.write(self.training_state(state), f"step-{step}", asynchronous=False)
             else:
                 saved = self.folder / f"step-{step}"
             if self.options.export_hf:
                 self.export_hf(saved, step)
             return saved
         self.wait()
-        return self.write(training_tensors(state), f"step-{step}", asynchronous=self.options.async_save)
+        return self.write(self.training_state(state), f"step-{step}", asynchronous=self.options.async_save)
 
     def write(self, tensors: dict, name: str, asynchronous: bool) -> Path:
         complete = self.folder / name

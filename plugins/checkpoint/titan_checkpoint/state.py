@@ -149,8 +149,10 @@ def dcp_shapes(path, reader: dcp.FileSystemReader | None = None) -> tuple[dict, 
 
 
 def copy_into_model(model_parts, tensors: dict[str, torch.Tensor]) -> None:
+    """Every entry of ``tensors`` into the model (a key it lacks was loaded before, from elsewhere)."""
     for part in model_parts:
-        part.load_state_dict({k: tensors[f"model.{canonical_name(k)}"] for k in part.state_dict()})
+        part.load_state_dict({k: tensors[f"model.{canonical_name(k)}"] for k in part.state_dict()
+                              if f"model.{canonical_name(k)}" in tensors}, strict=False)
 
 
 def allocate(saved: dict, prefix: str) -> dict[str, torch.Tensor]:
@@ -182,15 +184,16 @@ PARTS = {"model": ("model.",), "optimizer": ("optimizer.",), "lr_scheduler": ("l
          "dataloader": ("dataloader.",), "step": ("step", "rng."), "plugins": ("plugins.",)}
 
 
-def load_training_state(state, path, parts=tuple(PARTS)) -> int:
+def load_training_state(state, path, parts=tuple(PARTS), loaded_elsewhere: frozenset[str] = frozenset()) -> int:
     """Load ``parts`` of the checkpoint at ``path`` into ``state`` in place (those it holds: a weights-only
-    save holds the model alone); returns the step to continue after (0 unless ``step`` was loaded)."""
+    save holds the model alone; ``loaded_elsewhere``: model keys it may lack because they were loaded from the
+    folder the run started from); returns the step to continue after (0 unless ``step`` was loaded)."""
     reader = SharedMetadataReader(path)
     saved, shapes = dcp_shapes(path, reader)
     parts = {p for p in parts if any(k.startswith(PARTS[p]) for k in saved)}
     wanted = {}
     if "model" in parts:
-        wanted = model_tensors(state.model_parts)
+        wanted = {k: v for k, v in model_tensors(state.model_parts).items() if k in saved or k not in loaded_elsewhere}
         check_loadable(wanted, shapes, path)
     if "optimizer" in parts:
         materialize_optimizer_state(state.optimizer)
