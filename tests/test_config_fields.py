@@ -109,6 +109,9 @@ PLUGIN_BAD = {
     "plugins.wandb.tags": "smoke", "plugins.wandb.mode": "cloud", "plugins.wandb.dir": "7",
     "plugins.mlflow.tracking_uri": "7", "plugins.mlflow.experiment": "7", "plugins.mlflow.run_name": "7",
     "plugins.mlflow.tags": "[llm]",
+    "plugins.lora.rank": "0", "plugins.lora.alpha": "0", "plugins.lora.dropout": "1.0", "plugins.lora.rslora": "1",
+    "plugins.lora.targets": ("[attn]", "[]"), "plugins.lora.init_from": ("/nonexistent/adapter", "7"),
+    "plugins.lora.export": "2",
 }
 PLUGIN_BASE = {"ep": ["model=qwen3_moe_tiny", "+plugins=[fsdp,ep]"], "simplefsdp": ["+plugins=[simplefsdp]"],
                "fsdp": ["+plugins=[fsdp]"]}

@@ -122,6 +122,7 @@ def test_a_folder_the_job_cannot_honour_is_refused(folders, tmp_path):
     assert error.field == "tokenizer.path" and "has no tokenizer.json" in str(error)
     assert "has no config.json" in str(config_error("model=hf", f"model.path={tmp_path}", "+plugins=[checkpoint]"))
     assert config_error("model=hf", "model.path=7", "+plugins=[checkpoint]").field == "model.path"
+    assert "none is named" in str(config_error("model=hf", "+plugins=[checkpoint]"))
 
 
 def test_transformers_4_and_5_field_names_give_the_same_options(folders, tmp_path):

@@ -28,8 +28,12 @@ CORE_KEYS = ("name", "path")  # the model section's keys that are the core's, no
 def apply_model_folder(config) -> None:
     """Fill ``config.model`` and ``config.tokenizer`` in place from the folder ``model.path`` names (nothing
     when it is null). Applying it twice changes nothing, so every process of a job may apply it."""
-    path = (config.get("model") or {}).get("path")
+    model = config.get("model") or {}
+    path = model.get("path")
     if path is None:
+        if "path" in model and model.get("name") is None:
+            raise ConfigError(FIELD, "model=hf starts from a Hugging Face folder and none is named",
+                              "set model.path=<folder> (or pick a model preset)")
         return
     if not isinstance(path, str) or not path:
         raise ConfigError(FIELD, f"{path!r} is not a folder path", "set model.path to a Hugging Face model folder")
@@ -74,7 +78,11 @@ def folder_options(hf_config: dict, name: str | None, folder: Path) -> dict:
     if name is not None:
         models = {name: models[model_name({"model": {"name": name}})]}
     for model, entry_point in models.items():
-        manager.register(plugin_object(entry_point), name=model)
+        try:
+            manager.register(plugin_object(entry_point), name=model)
+        except pluggy.PluginValidationError as error:
+            raise ConfigError(f"model.{model}", f"model plugin '{model}' does not fit the hook contract: {error}",
+                              "fix its hook implementations (see titan_core.hookspecs)") from None
     answers = [a for a in manager.hook.hf_model_options(hf_config=hf_config) if a is not None]
     model_type = hf_config.get("model_type")
     if not answers:

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from titan_core import CP, DP_REPLICATE, DP_SHARD, TP, ConfigError, ModelDescription, attribute, build_meta_model, \
-    canonical_name, hookimpl, lacks, local_box
+    canonical_name, hookimpl, lacks, local_box, text_or_null
 
 log = logging.getLogger("titan_core")
 FIELD = "plugins.lora"
@@ -145,7 +145,7 @@ def validate_options(config, options, plan) -> None:
     if (options.export or options.init_from) and plan.model.hf is None:
         raise ConfigError(f"{FIELD}.export", lacks(plan.model, "hf", "PEFT's adapter format"),
                           f"set {FIELD}.export=false and {FIELD}.init_from=null")
-    if options.init_from:
+    if text_or_null(options.init_from, f"{FIELD}.init_from"):
         folder = Path(options.init_from).expanduser()
         check_peft_config(read_peft_config(folder), options, folder)
         with safe_open(folder / "adapter_model.safetensors", "pt") as file:
