@@ -83,16 +83,15 @@ def start_path(config, plugin_config) -> Path | None:
     return None if path is None else Path(path).expanduser()
 
 
-def check_exportable(tensors: dict[str, torch.Tensor], config, description) -> None:
-    """A Hugging Face folder holds the model its plugin builds: a tensor a module conversion added (LoRA's
-    adapters) has no name there, and leaving it out would export another model."""
-    built = set(build_meta_model(config, description).state_dict())
+def check_exportable(tensors: dict[str, torch.Tensor], built: frozenset[str], description) -> None:
+    """A Hugging Face folder holds the model its plugin builds (``built``: its tensor names): a tensor a module
+    conversion added (LoRA's adapters) has no name there, and leaving it out would export another model."""
     added = sorted(k for k in tensors if k[len("model."):] not in built)
     if added:
         raise ConfigError("plugins.checkpoint.export_hf", f"the model holds {added[0][len('model.'):]} (and "
                           f"{len(added) - 1} more), added by a module conversion, which a Hugging Face folder of "
                           f"'{description.family}' cannot hold", "set export_hf=false and export them as the plugin "
-                          "that added them does (LoRA: its PEFT adapter, or a merged folder)")
+                          "that added them does (e.g. an adapter format, or a folder merged from it)")
 
 
 def checkpoint_to_load(path: Path) -> tuple[str, Path]:
@@ -136,11 +135,14 @@ class Checkpointer:
         self.saved_step: int | None = None
         self.base_folder: Path | None = None
         self.unsaved: frozenset[str] = frozenset()
+        # The tensors of the model its plugin builds: what a module conversion added (LoRA's adapters) is neither
+        # in a Hugging Face folder to load nor exportable to one.
+        self.built = frozenset(build_meta_model(config, plan.model).state_dict())
         self.deletions = Deletions()
 
     def load(self, state) -> int | None:
         if self.options.export_hf:
-            check_exportable(model_tensors(state.model_parts), self.config, self.description)
+            check_exportable(model_tensors(state.model_parts), self.built, self.description)
         self.base_folder, self.unsaved = self.frozen_base(state.model_parts)
         candidates = [None]
         if self.rank == 0:  # rank 0 lists them, so that every rank loads the same checkpoint
@@ -173,9 +175,8 @@ class Checkpointer:
         start = start_path(self.config, self.options)
         if start is None or checkpoint_to_load(start)[0] != "hf":
             return None, frozenset()
-        built = set(build_meta_model(self.config, self.description).state_dict())
         return start, frozenset(f"model.{canonical_name(n)}" for part in model_parts for n, p in part.named_parameters()
-                                if not p.requires_grad and canonical_name(n) in built)
+                                if not p.requires_grad and canonical_name(n) in self.built)
 
     def training_state(self, state) -> dict[str, torch.Tensor]:
         """What a save writes: the whole training state but the frozen base a start folder holds."""
@@ -306,11 +307,9 @@ class Checkpointer:
         """Initialize the model from a Hugging Face folder, each rank reading only its slices."""
         adapter = self.description.hf
         read_hf_config(folder, adapter)
-        # The model its plugin builds: what a module conversion added (LoRA's adapters) is not in the folder.
-        built = set(build_meta_model(self.config, self.description).state_dict())
-        wanted = {k: v for k, v in model_tensors(model_parts).items() if k[len("model."):] in built}
+        wanted = {k: v for k, v in model_tensors(model_parts).items() if k[len("model."):] in self.built}
         check_loadable(wanted, hf_shapes(folder, adapter, [k[len("model."):] for k in wanted]), folder)
-        read = load_hf_slices(model_parts, folder, adapter, built)
+        read = load_hf_slices(model_parts, folder, adapter, self.built)
         log.info("read %d bytes of %s on this rank", read, folder)
 
     def wait(self) -> None:
