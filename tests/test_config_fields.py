@@ -1,11 +1,13 @@
 """Every numeric field of the core's config: one bad value each is refused with the one-line error naming the
 field, before anything starts; the defaults pass."""
 
+from pathlib import Path
+
 import pytest
 
 from titan_core.errors import ConfigError
 from titan_core.job.checks import NUMBERS, check_numbers
-from titan_core.testing import compose as config, config_error as refusal
+from titan_core.testing import compose as config, config_error as refusal, merged
 
 
 BAD = {
@@ -81,6 +83,7 @@ def test_enabled_plugins_known_presets_and_own_configs_pass(argv):
 
 # Values each option of every shipped plugin refuses (options without a default: a wrong kind too), with the
 # base a plugin needs to be planned at all.
+SFT_DATA = Path(__file__).parents[1] / "plugins" / "sft" / "tests" / "data"
 PLUGIN_BAD = {
     "plugins.ac.mode": "partial", "plugins.ac.every": "0", "plugins.ac.save_ops": "[not_an_op]",
     "plugins.checkpoint.folder": "7", "plugins.checkpoint.interval": "-1", "plugins.checkpoint.keep_latest_k": "-1",
@@ -112,9 +115,16 @@ PLUGIN_BAD = {
     "plugins.lora.rank": "0", "plugins.lora.alpha": "0", "plugins.lora.dropout": "1.0", "plugins.lora.rslora": "1",
     "plugins.lora.targets": ("[attn]", "[]"), "plugins.lora.init_from": ("/nonexistent/adapter", "7"),
     "plugins.lora.export": "2",
+    "plugins.sft.path": ("/nonexistent/chat.jsonl", str(SFT_DATA / "chatml.jinja")), "plugins.sft.name": "7",
+    "plugins.sft.split": "7", "plugins.sft.messages_field": ("7", "conversation"),
+    "plugins.sft.chat_template": ("/nonexistent/template.jinja", "7"), "plugins.sft.packing": "1",
+    "plugins.sft.holdout_every": ("1", "-3"), "plugins.sft.bad_rows": "ignore",
 }
 PLUGIN_BASE = {"ep": ["model=qwen3_moe_tiny", "+plugins=[fsdp,ep]"], "simplefsdp": ["+plugins=[simplefsdp]"],
-               "fsdp": ["+plugins=[fsdp]"]}
+               "fsdp": ["+plugins=[fsdp]"],
+               "sft": ["+plugins=[fsdp,sft]", f"plugins.sft.path={SFT_DATA / 'chat.jsonl'}",
+                       f"plugins.sft.chat_template={SFT_DATA / 'chatml.jinja'}", "training.attention_mask=block_causal",
+                       "tokenizer.path=builtin", "training.seq_len=256"]}
 TINY_WORLD = ["model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "launch.world_size=4"]
 
 
@@ -130,7 +140,7 @@ def test_every_option_of_every_shipped_plugin_has_a_bad_value_here():
 def test_a_bad_plugin_option_is_refused_naming_it(field, value):
     plugin = field.split(".")[1]
     base = PLUGIN_BASE.get(plugin, [f"+plugins=[fsdp,{plugin}]"])
-    error = refusal(*TINY_WORLD, *base, f"{field}={value}")
+    error = refusal(*merged(TINY_WORLD, base), f"{field}={value}")
     assert error.field == field, error
 
 

@@ -442,3 +442,45 @@ def test_a_plugin_that_fails_to_load_is_one_line(tmp_path):
                               expect_success=False, env=env))
     assert "plugins.broken: plugin 'broken' (broken_plugin_broken) fails to load: ImportError: no cuda" in line
     assert "fix: fix or reinstall broken-plugin" in line
+
+
+TEXT_ROWS = '''
+import torch
+from titan_core import hookimpl
+
+
+class Rows:
+    """Every batch the same: a data plugin reduced to what the core asks of one."""
+
+    def __init__(self, rows, seq_len):
+        self.tokens = torch.arange(rows * (seq_len + 1)).view(rows, seq_len + 1) % 200
+
+    def __next__(self):
+        return self.tokens[:, :-1], self.tokens[:, 1:]
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@hookimpl
+def build_dataloader(config, dp_size):
+    """rows: the same rows every step."""
+    return Rows(config.training.global_batch_size // dp_size, config.training.seq_len)
+'''
+
+
+def test_training_data_from_a_plugin_without_validation_data_is_refused_when_validating(tmp_path):
+    """The core's held-out text would validate a model trained on other data: refused before launch, and
+    without validation the plugin's batches train."""
+    env = install_plugins(tmp_path / "site", {"rows": (TEXT_ROWS, "")}, "rows-plugin")
+    refused = run_job([*TINY, "+plugins=[rows]", "validation.every=2"], tmp_path / "refused", expect_success=False,
+                      env=env)
+    assert error_line(refused) == (
+        "titan-core: error: validation.every: the training batches come from plugin 'rows', which gives no validation "
+        "batches (build_validation_batches); fix: set validation.every=0, or add build_validation_batches to that "
+        "plugin")
+    trained = run_job([*TINY, "+plugins=[rows]", "training.steps=3"], tmp_path / "trained", env=env)
+    assert trained.losses[2] < trained.losses[0] - 0.1  # the same rows each step: learnt by heart

@@ -11,7 +11,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name,
                       check_hf_config
     attention seam    causal_attention, document_attention, document_causal_mask, document_ids, grouped
-    the objective     add_loss
+    the objective     add_loss, IGNORE_INDEX (the label of a token the loss skips)
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
     data-parallel     replicate_only_over, replicated_over
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
@@ -35,7 +35,7 @@ from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.initialization import local_box
 from titan_core.job.model_folder import folder_config
 from titan_core.mesh import ParallelMesh, device_kind
-from titan_core.objective import add_loss
+from titan_core.objective import IGNORE_INDEX, add_loss
 from titan_core.options import (FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count,
                                 text_or_null)
 from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Declaration, MeshDimension, Plan,
@@ -61,7 +61,7 @@ __all__ = [
     # the attention seam
     "causal_attention", "document_attention", "document_causal_mask", "document_ids", "grouped",
     # the objective
-    "add_loss",
+    "add_loss", "IGNORE_INDEX",
     # the run
     "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind",
     # data parallel

@@ -8,7 +8,7 @@ import math
 import torch
 
 from titan_core.adamw import AdamWNarrowStates
-from titan_core.data import training_loader
+from titan_core.data import training_loader, validation_batches
 from titan_core.hookspecs import hookimpl
 from titan_core.options import FLOAT_DTYPES
 
@@ -87,3 +87,9 @@ def lr_schedule(config):
 def build_dataloader(config, tokenizer, dp_rank, dp_size):
     """The core's loader: prepared token shards read by offset, or documents packed by every rank."""
     return training_loader(config, tokenizer, dp_rank, dp_size)
+
+
+@hookimpl
+def build_validation_batches(config, tokenizer, dp_rank, dp_size):
+    """The core's held-out batches: validation's own data, or what it holds out of the training data."""
+    return validation_batches(config, tokenizer, dp_rank, dp_size)

@@ -221,10 +221,13 @@ def after_init(model_parts: list[nn.Module], mesh: ParallelMesh, config: DictCon
 @hookspec
 def wrap_loss(loss_fn: LossFn, model_parts: list[nn.Module], config: DictConfig, plugin_config: DictConfig,
               plan: Plan) -> LossFn | None:
-    """Replace the loss function ``loss_fn(output, labels) -> scalar``.
+    """Replace the loss function ``loss_fn(output, labels) -> scalar``: the loss **summed** over the tokens whose
+    label is not :data:`titan_core.IGNORE_INDEX`.
 
     Runs once per worker after ``after_init`` and before ``build_schedule``, in plan order, each plugin
-    receiving the previous one's result (the core's is fp32 cross entropy of the logits).
+    receiving the previous one's result (the core's is fp32 cross entropy of the logits). The schedule calls
+    the last one multiplied by the step's scale (:mod:`titan_core.objective`), which makes it the mean loss per
+    trained token of the global batch, whatever the plan.
 
     :param loss_fn: The loss so far.
     :param model_parts: This rank's parallelized parts, for a loss that uses the model's parameters
@@ -244,7 +247,7 @@ def build_schedule(model_parts: list[nn.Module], mesh: ParallelMesh, config: Dic
     :returns: An object with ``run(inputs, labels, model_kwargs) -> loss | None``: it runs the model parts as
         ``part(inputs, **model_kwargs)`` (a pipeline stage after the first takes the previous stage's output
         in place of ``inputs``, and the same keyword arguments split into micro-batches like the inputs), calls
-        backward on ``loss * loss_weight`` and returns the detached, unscaled mean loss, or None on ranks
+        backward on ``loss * loss_weight`` and returns the detached loss before that weight, or None on ranks
         that compute no loss (pipeline stages other than the last). ``loss_weight`` (an attribute; default
         ``1 / training.grad_accum_steps``) is what each forward's loss is scaled by, which losses the model
         adds inside its forward (:func:`titan_core.add_loss`) share. Validation also calls
@@ -294,6 +297,20 @@ def build_dataloader(config: DictConfig, tokenizer: Any, dp_rank: int, dp_size: 
     :returns: An iterator of ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows of
         ``seq_len`` tokens) with ``state_dict()`` (a snapshot, called after each batch) and
         ``load_state_dict()`` for exact resume, and optionally ``metrics()``, a dict of numbers for the log.
+    """
+
+
+@hookspec(firstresult=True)
+def build_validation_batches(config: DictConfig, tokenizer: Any, dp_rank: int, dp_size: int,
+                             plugin_config: DictConfig, plan: Plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Build the held-out batches every evaluation uses (``validation.every > 0``), for this data-parallel rank.
+
+    Runs once per worker when validation is on; the one enabled plugin implementing it answers, else the core's
+    (validation's own documents or tokens, or those held out of the training data). A job whose training
+    batches come from a plugin that does not implement it is refused before launch: it would validate on other
+    data than it trains on.
+
+    :returns: ``validation.batches`` local batches ``(inputs, labels)``, shaped like the training batches.
     """
 
 

@@ -1,4 +1,14 @@
-"""Losses a model adds inside its forward, beside the loss the core computes on its logits.
+"""The step's objective: the loss of the trained tokens, normalised over the whole step, and losses a model adds
+inside its forward.
+
+A loss function (the core's cross entropy, or a ``wrap_loss`` plugin's) returns the **summed** loss of the
+tokens whose label is not ``IGNORE_INDEX`` (chat SFT masks everything but the assistant's replies). The core
+multiplies it by :class:`TokenNormalisation`'s ``scale``, set before each step from the number of trained
+tokens in the step's global batch (one all-reduce), so that every rank's backward, its schedule's weighting of
+micro-batches and the data-parallel averaging of gradients make the gradient of the mean loss per trained
+token of the global batch: the gradient one process computes on the whole batch, whatever the plan and
+however unevenly the masks fall on ranks and micro-batches (a per-micro-batch mean would weight a token of a
+short reply more than one of a long reply). With every token trained it is the mean of each micro-batch.
 
 A mixture-of-experts router's load-balancing loss is computed in every MoE layer, on whichever pipeline
 stage holds it, so it cannot be added to the logits' loss on the last stage. ``add_loss(output, loss)``
@@ -14,6 +24,11 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+
+from titan_core.plan import Plan
+
+IGNORE_INDEX = -100  # a label that trains nothing (torch's cross entropy default)
 
 # Bound by the core for one run and restored after it (a dynamic scope, as titan_core.attention's document
 # attention): a module global rather than a ContextVar because torch.compile guards on globals and breaks its
@@ -49,3 +64,33 @@ class _AddLoss(torch.autograd.Function):
     def backward(ctx, grad_output):
         (loss,) = ctx.saved_tensors
         return grad_output, torch.full_like(loss, ctx.weight), None
+
+
+class TokenNormalisation:
+    """The loss function the schedules call: the plugins' summed loss times ``scale``, which the core sets for
+    every step (:meth:`set_for`); ``scale`` is per trained token of the global batch, times what the schedule and
+    the data-parallel averaging divide by."""
+
+    def __init__(self, loss_fn, plan: Plan, device: torch.device):
+        self.loss_fn, self.plan = loss_fn, plan
+        self.scale = torch.ones((), device=device)
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, labels) * self.scale
+
+    def set_for(self, batches_labels: list[torch.Tensor], forwards_per_batch: float) -> None:
+        """Scale the losses of the coming forwards of ``batches_labels`` (this rank's rows of one or more global
+        batches, on the device), which the schedule runs in ``forwards_per_batch`` forwards each.
+
+        Backward receives ``summed loss x scale x loss_weight`` from each forward (``loss_weight`` = 1 / the
+        forwards), and gradients are averaged over the token shards (data-parallel ranks x sequence splits), so
+        ``scale`` = shards x forwards / trained tokens. Every rank loads the rows of its data-parallel rank; the
+        all-reduce over the world counts each row once per rank that loads it.
+        """
+        plan = self.plan
+        trained = torch.stack([(labels != IGNORE_INDEX).sum() for labels in batches_labels]).sum().float()
+        dist.all_reduce(trained)
+        loaders_per_row = plan.world_size / plan.dp_size
+        forwards = forwards_per_batch * len(batches_labels)
+        # No trained token at all: a zero loss, not 0/0.
+        self.scale = plan.token_shards * forwards * loaders_per_row / trained.clamp(min=1)

@@ -35,16 +35,20 @@ class MeshDimension:
     that order, whose ranks it reuses instead of multiplying the world (expert parallel borrows the
     data- and context-parallel ranks); its degree must divide their product, and the mesh then also has
     ``rest_of(name)``, the borrowed ranks it leaves (the experts' FSDP shards over those). ``data_parallel``:
-    ranks along it hold different samples; the batch is split over every such dimension.
+    ranks along it hold different samples; the batch is split over every such dimension. ``splits_sequence``:
+    ranks along it hold different tokens of the same samples (context parallel), and gradients are averaged
+    over them as over data-parallel ranks.
     """
 
     after: str | None = None
     borrows: tuple[str, ...] = ()
     data_parallel: bool = False
+    splits_sequence: bool = False
 
 
 CORE_DIMENSIONS = {PP: MeshDimension(), DP_REPLICATE: MeshDimension(data_parallel=True),
-                   DP_SHARD: MeshDimension(data_parallel=True), CP: MeshDimension(), TP: MeshDimension()}
+                   DP_SHARD: MeshDimension(data_parallel=True), CP: MeshDimension(splits_sequence=True),
+                   TP: MeshDimension()}
 
 
 @dataclass(frozen=True)
@@ -106,12 +110,22 @@ class Plan:
     @property
     def data_parallel_dims(self) -> tuple[str, ...]:
         """The dimensions whose ranks hold different samples, in mesh order."""
-        return tuple(d for d in self.mesh_shape if self.dimensions.get(d, CORE_DIMENSIONS.get(d)).data_parallel)
+        return tuple(d for d in self.mesh_shape if self.definition(d).data_parallel)
 
     @property
     def dp_size(self) -> int:
         """The number of data-parallel ranks: the batch is split this many ways."""
         return math.prod(self.mesh_shape[d] for d in self.data_parallel_dims)
+
+    @property
+    def token_shards(self) -> int:
+        """Into how many parts the tokens of a global batch are split: the data-parallel ranks times the
+        sequence splits (the other ranks share a part). Gradients are averaged over the parts."""
+        return self.dp_size * math.prod(n for d, n in self.mesh_shape.items() if self.definition(d).splits_sequence)
+
+    def definition(self, dim: str) -> MeshDimension:
+        """What the sized dimension ``dim`` is: the core's or the plugin's that declared it."""
+        return self.dimensions.get(dim, CORE_DIMENSIONS.get(dim))
 
     def borrowed(self) -> dict[str, tuple[int, tuple[str, ...]]]:
         """For each borrowing dimension: its degree and the sized dimensions whose ranks it reuses."""

@@ -257,4 +257,9 @@ def build_plan(config, registry: Registry, world_size: int | None, vocab_size: i
     plan = make_plan(planned, description, world_size, config.launch.get("world_size"), local_gpus)
     for p in plan.plugins if validate else ():
         registry.call(p.name, "validate", config=config, plugin_config=config.plugins[p.name], plan=plan)
+    training_data, validation_data = registry.owner("build_dataloader"), registry.owner("build_validation_batches")
+    if config.validation.every and validate and training_data != validation_data:
+        raise ConfigError("validation.every", f"the training batches come from plugin '{training_data}', which "
+                          "gives no validation batches (build_validation_batches)",
+                          "set validation.every=0, or add build_validation_batches to that plugin")
     return plan

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_core import objective
 from titan_core.attention import document_ids
-from titan_core.data import Prefetcher, validation_batches
+from titan_core.data import Prefetcher
 from titan_core.errors import ConfigError
 from titan_core.initialization import init_weights
 from titan_core.mesh import ParallelMesh, set_collective_timeout
@@ -67,9 +67,11 @@ class TrainingStep:
     """
 
     def __init__(self, hooks: Hooks, mesh: ParallelMesh, config, model_parts: list[torch.nn.Module], schedule,
-                 optimizer: torch.optim.Optimizer, lr_scheduler, device: torch.device, bos_id: int):
+                 loss_fn: objective.TokenNormalisation, optimizer: torch.optim.Optimizer, lr_scheduler,
+                 device: torch.device, bos_id: int):
         self.hooks, self.mesh, self.config, self.model_parts = hooks, mesh, config, model_parts
         self.schedule, self.optimizer, self.lr_scheduler = schedule, optimizer, lr_scheduler
+        self.loss_fn, self.forwards = loss_fn, 1 / schedule_loss_weight(schedule, config)
         self.device, self.bos_id = device, bos_id
         # The core's mixed precision: the weights stay float32, forward and backward compute in the narrower
         # dtype (autocast), unless a plugin does mixed precision its own way (FSDP's policy).
@@ -81,6 +83,9 @@ class TrainingStep:
         """Train on one local batch; returns this rank's mean loss (None without the loss), the gradient
         norm, both on the device, and the learning rate the optimizer used."""
         self.optimizer.zero_grad()
+        inputs = inputs.to(self.device, non_blocking=True)  # pinned by the prefetcher on CUDA
+        labels = labels.to(self.device, non_blocking=True)
+        self.loss_fn.set_for([labels], self.forwards)
         loss = local_mean(self.each_micro_batch(self.schedule.run, inputs, labels))
         self.hooks.each("after_backward", model_parts=self.model_parts, mesh=self.mesh, step=step, config=self.config)
         grad_norm = clip_grad_norm_(self.model_parts, self.config.training.max_norm, self.mesh)
@@ -92,13 +97,11 @@ class TrainingStep:
         return loss, grad_norm, lr
 
     def each_micro_batch(self, schedule_pass, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
-        """``schedule_pass`` (the schedule's run or evaluate) on each micro-batch of this rank's rows, inside the
-        plugins' batch contexts; the losses of the ranks that compute one."""
+        """``schedule_pass`` (the schedule's run or evaluate) on each micro-batch of this rank's rows (on the
+        device), inside the plugins' batch contexts; the losses of the ranks that compute one."""
         losses = []
         count = self.config.training.grad_accum_steps
         for index, (micro_inputs, micro_labels) in enumerate(zip(inputs.chunk(count), labels.chunk(count))):
-            micro_inputs = micro_inputs.to(self.device, non_blocking=True)  # pinned by the prefetcher on CUDA
-            micro_labels = micro_labels.to(self.device, non_blocking=True)
             model_kwargs = ({"document_ids": document_ids(micro_inputs, self.bos_id)}
                             if self.config.training.attention_mask == "block_causal" else {})
             with contextlib.ExitStack() as contexts:
@@ -114,10 +117,13 @@ class TrainingStep:
         return losses
 
     def validate(self, batches) -> dict:
-        """Mean loss over the validation batches (copies: a batch context may split its tensors in place)."""
+        """Mean loss per trained token of the validation batches (copies: a batch context may split its tensors
+        in place)."""
+        batches = [(inputs.to(self.device, copy=True), labels.to(self.device, copy=True)) for inputs, labels in batches]
+        self.loss_fn.set_for([labels for _, labels in batches], self.forwards)
         with torch.no_grad():
             losses = [loss for inputs, labels in batches
-                      for loss in self.each_micro_batch(self.schedule.evaluate, inputs.clone(), labels.clone())]
+                      for loss in self.each_micro_batch(self.schedule.evaluate, inputs, labels)]
         (loss,) = global_means([local_mean(losses)], self.device)
         return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 700.0))}
 
@@ -143,8 +149,9 @@ class Trainer:
         loss_fn = cross_entropy_loss
         for name in hooks.order:
             loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
+        loss_fn = objective.TokenNormalisation(loss_fn, plan, device)
         schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
-        self.loss_weight = getattr(schedule, "loss_weight", 1 / training.grad_accum_steps)
+        self.loss_weight = schedule_loss_weight(schedule, config)
         optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
         lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
         dp_rank = mesh.local_rank(*plan.data_parallel_dims)
@@ -154,9 +161,10 @@ class Trainer:
         self.state = TrainState(model_parts, optimizer, lr_scheduler, dataloader, plugins=hooks.registry.stateful())
         self.state.step = hooks.first("load_checkpoint", state=self.state, config=config, run_dir=run_dir) or 0
 
-        self.step = TrainingStep(hooks, mesh, config, model_parts, schedule, optimizer, lr_scheduler, device,
-                                 tokenizer.bos_id)
-        self.validation = validation_batches(config, tokenizer, dp_rank, plan.dp_size)
+        self.step = TrainingStep(hooks, mesh, config, model_parts, schedule, loss_fn, optimizer, lr_scheduler,
+                                 device, tokenizer.bos_id)
+        self.validation = hooks.first("build_validation_batches", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
+                                      dp_size=plan.dp_size) if config.validation.every else []
         if self.validation and not callable(getattr(schedule, "evaluate", None)):
             raise ConfigError("validation.every", f"the schedule {type(schedule).__name__} (from a plugin's "
                               "build_schedule) has no evaluate(inputs, labels, model_kwargs)",
@@ -257,9 +265,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def schedule_loss_weight(schedule, config) -> float:
+    """What the schedule scales each forward's loss by (1 / the forwards of a step on this rank)."""
+    return getattr(schedule, "loss_weight", 1 / config.training.grad_accum_steps)
+
+
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    """Next-token cross entropy summed over the trained tokens, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=objective.IGNORE_INDEX,
+                           reduction="sum")
 
 
 def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, mesh: ParallelMesh) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_chunked_loss.plugin import LogitsWeight, chunked_cross_entropy
+from titan_core import IGNORE_INDEX
 from titan_core.testing import TINY, error_line, run_job
 
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # the parity harness's bounds for a parallel run
@@ -33,7 +34,8 @@ def _plain_and_chunked(chunk_tokens: int):
     hidden = torch.randn(3, 20, DIM, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(VOCAB, DIM))
     labels = torch.randint(0, VOCAB, (3, 20))
-    plain = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), labels.flatten())
+    labels[1, 4:13] = IGNORE_INDEX  # tokens the loss skips (a prompt, under chat fine-tuning)
+    plain = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), labels.flatten(), reduction="sum")
     plain_grads = torch.autograd.grad(plain, (hidden, weight))
     saved = []  # what forward keeps for backward, outside the per-chunk checkpoints
 

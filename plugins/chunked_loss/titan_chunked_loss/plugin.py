@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from titan_core import ConfigError, Declaration, attribute, hookimpl, lacks, replace
+from titan_core import IGNORE_INDEX, ConfigError, Declaration, attribute, hookimpl, lacks, replace
 
 STAGE = 250  # after TP split the logits layer by vocabulary (the loss keeps it split), before FSDP shards it
 
@@ -82,7 +82,8 @@ def wrap_loss(model_parts, plugin_config, plan):
 
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, owner: nn.Module, holder: LogitsWeight,
                           chunk_tokens: int) -> torch.Tensor:
-    """Mean cross entropy of ``hidden @ weight.T`` against ``labels``, one chunk of tokens at a time."""
+    """Cross entropy of ``hidden @ weight.T`` against ``labels`` summed over the trained tokens, one chunk of
+    tokens at a time."""
     for module in (owner, holder):
         if isinstance(module, FSDPModule):
             # A unit resharded after forward holds only its shard now; gathering it twice is a no-op.
@@ -91,10 +92,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, owner: nn.
     if isinstance(hidden, DTensor):  # sequence parallel: each rank holds a slice of the sequence
         hidden = hidden.full_tensor()
     hidden, labels = hidden.flatten(0, 1), labels.flatten(0, 1)
-    total = sum(checkpoint(_summed_cross_entropy, hidden[start:start + chunk_tokens], weight,
-                           labels[start:start + chunk_tokens], use_reentrant=False)
-                for start in range(0, labels.numel(), chunk_tokens))
-    return total / labels.numel()
+    return sum(checkpoint(_summed_cross_entropy, hidden[start:start + chunk_tokens], weight,
+                          labels[start:start + chunk_tokens], use_reentrant=False)
+               for start in range(0, labels.numel(), chunk_tokens))
 
 
 def _summed_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -104,4 +104,4 @@ def _summed_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                                     run_check=False)
         labels = DTensor.from_local(labels, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
                                     run_check=False)
-    return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")

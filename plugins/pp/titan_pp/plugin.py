@@ -130,7 +130,7 @@ class PipelineStep:
                       **model_kwargs)
         if not self.holds_last:
             return None
-        # Equal micro-batches: the mean of their mean losses is the mean loss of the local batch.
+        # The core averages the losses of a step's forwards (its scale makes their mean the step's loss).
         return torch.stack(losses).detach().mean() * self.scale
 
 
