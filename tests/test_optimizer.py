@@ -89,7 +89,7 @@ def test_bfloat16_states_checkpoint_and_resume_resharded(tmp_path):
 
 
 def test_warmup_stable_decay_holds_then_decays_in_its_shape():
-    from titan_core.default_hooks import lr_schedule
+    from titan_core.lr_schedule import lr_schedule
     from titan_core.testing import compose
 
     def rates(*overrides):

@@ -303,12 +303,10 @@ def build_dataloader(config: DictConfig, tokenizer: Any, dp_rank: int, dp_size: 
 @hookspec(firstresult=True)
 def build_validation_batches(config: DictConfig, tokenizer: Any, dp_rank: int, dp_size: int,
                              plugin_config: DictConfig, plan: Plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Build the held-out batches every evaluation uses (``validation.every > 0``), for this data-parallel rank.
+    """Build the held-out batches every evaluation uses, for this data-parallel rank.
 
-    Runs once per worker when validation is on; the one enabled plugin implementing it answers, else the core's
-    (validation's own documents or tokens, or those held out of the training data). A job whose training
-    batches come from a plugin that does not implement it is refused before launch: it would validate on other
-    data than it trains on.
+    Runs once per worker when ``validation.every > 0``; the one enabled plugin implementing it answers, else the
+    core's. A job whose training batches come from a plugin without it is refused before launch.
 
     :returns: ``validation.batches`` local batches ``(inputs, labels)``, shaped like the training batches.
     """

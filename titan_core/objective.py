@@ -1,21 +1,15 @@
 """The step's objective: the loss of the trained tokens, normalised over the whole step, and losses a model adds
 inside its forward.
 
-A loss function (the core's cross entropy, or a ``wrap_loss`` plugin's) returns the **summed** loss of the
-tokens whose label is not ``IGNORE_INDEX`` (chat SFT masks everything but the assistant's replies). The core
-multiplies it by :class:`TokenNormalisation`'s ``scale``, set before each step from the number of trained
-tokens in the step's global batch (one all-reduce), so that every rank's backward, its schedule's weighting of
-micro-batches and the data-parallel averaging of gradients make the gradient of the mean loss per trained
-token of the global batch: the gradient one process computes on the whole batch, whatever the plan and
-however unevenly the masks fall on ranks and micro-batches (a per-micro-batch mean would weight a token of a
-short reply more than one of a long reply). With every token trained it is the mean of each micro-batch.
+A loss function returns the loss **summed** over the tokens whose label is not ``IGNORE_INDEX``; the core
+multiplies it by :class:`TokenNormalisation`'s ``scale``, set before each step from the trained tokens of the
+global batch, so that the gradient is that of the mean loss per trained token of the global batch, as one
+process computes it, however unevenly masks fall on ranks and micro-batches.
 
-A mixture-of-experts router's load-balancing loss is computed in every MoE layer, on whichever pipeline
-stage holds it, so it cannot be added to the logits' loss on the last stage. ``add_loss(output, loss)``
-hands ``output`` on unchanged and, in backward, adds the gradient of ``loss`` weighted exactly like the
-logits' loss of the same forward: the schedule scales that one by its ``loss_weight`` (1 / the forwards of a
-step on this rank: grad-accumulation steps x pipeline micro-batches), and the core binds the same weight here
-for the duration of the run (:func:`loss_weight`). Data-parallel averaging then treats both alike.
+A mixture-of-experts router's load-balancing loss is computed in every MoE layer, on whichever pipeline stage
+holds it. ``add_loss(output, loss)`` hands ``output`` on unchanged and, in backward, adds the gradient of
+``loss`` weighted like the logits' loss of the same forward: by the schedule's ``loss_weight`` (1 / the
+forwards of a step on this rank), which the core binds here for the run (:func:`loss_weight`).
 """
 
 from __future__ import annotations
@@ -67,9 +61,7 @@ class _AddLoss(torch.autograd.Function):
 
 
 class TokenNormalisation:
-    """The loss function the schedules call: the plugins' summed loss times ``scale``, which the core sets for
-    every step (:meth:`set_for`); ``scale`` is per trained token of the global batch, times what the schedule and
-    the data-parallel averaging divide by."""
+    """The loss function the schedules call: the plugins' summed loss times ``scale``, set for every step."""
 
     def __init__(self, loss_fn, plan: Plan, device: torch.device):
         self.loss_fn, self.plan = loss_fn, plan
@@ -79,14 +71,10 @@ class TokenNormalisation:
         return self.loss_fn(output, labels) * self.scale
 
     def set_for(self, batches_labels: list[torch.Tensor], forwards_per_batch: float) -> None:
-        """Scale the losses of the coming forwards of ``batches_labels`` (this rank's rows of one or more global
-        batches, on the device), which the schedule runs in ``forwards_per_batch`` forwards each.
-
-        Backward receives ``summed loss x scale x loss_weight`` from each forward (``loss_weight`` = 1 / the
-        forwards), and gradients are averaged over the token shards (data-parallel ranks x sequence splits), so
-        ``scale`` = shards x forwards / trained tokens. Every rank loads the rows of its data-parallel rank; the
-        all-reduce over the world counts each row once per rank that loads it.
-        """
+        """Scale the coming forwards of ``batches_labels`` (this rank's rows of global batches, on the device),
+        ``forwards_per_batch`` each: backward weighs each by 1 / forwards and gradients are averaged over the
+        token shards, so scale = shards x forwards / trained tokens. The all-reduce over the world counts each
+        row once per rank that loads it."""
         plan = self.plan
         trained = torch.stack([(labels != IGNORE_INDEX).sum() for labels in batches_labels]).sum().float()
         dist.all_reduce(trained)

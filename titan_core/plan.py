@@ -36,8 +36,7 @@ class MeshDimension:
     data- and context-parallel ranks); its degree must divide their product, and the mesh then also has
     ``rest_of(name)``, the borrowed ranks it leaves (the experts' FSDP shards over those). ``data_parallel``:
     ranks along it hold different samples; the batch is split over every such dimension. ``splits_sequence``:
-    ranks along it hold different tokens of the same samples (context parallel), and gradients are averaged
-    over them as over data-parallel ranks.
+    ranks along it hold different tokens of the same samples (context parallel); gradients average over them.
     """
 
     after: str | None = None
@@ -119,8 +118,7 @@ class Plan:
 
     @property
     def token_shards(self) -> int:
-        """Into how many parts the tokens of a global batch are split: the data-parallel ranks times the
-        sequence splits (the other ranks share a part). Gradients are averaged over the parts."""
+        """The parts a global batch's tokens are split into (data-parallel ranks x sequence splits)."""
         return self.dp_size * math.prod(n for d, n in self.mesh_shape.items() if self.definition(d).splits_sequence)
 
     def definition(self, dim: str) -> MeshDimension:

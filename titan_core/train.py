@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -25,12 +24,12 @@ from titan_core import objective
 from titan_core.attention import document_ids
 from titan_core.data import Prefetcher
 from titan_core.errors import ConfigError
+from titan_core.grad_norm import FiniteWatch, clip_grad_norm_
 from titan_core.initialization import init_weights
 from titan_core.mesh import ParallelMesh, set_collective_timeout
 from titan_core.metrics import MetricsLogger, global_means
 from titan_core.capabilities import MIXED_PRECISION
 from titan_core.options import compute_dtype
-from titan_core.plan import PP
 from titan_core.plugins import Hooks
 from titan_core.preemption import StopSignals
 from titan_core.profiling import StepProfiler
@@ -71,7 +70,9 @@ class TrainingStep:
                  device: torch.device, bos_id: int):
         self.hooks, self.mesh, self.config, self.model_parts = hooks, mesh, config, model_parts
         self.schedule, self.optimizer, self.lr_scheduler = schedule, optimizer, lr_scheduler
-        self.loss_fn, self.forwards = loss_fn, 1 / schedule_loss_weight(schedule, config)
+        # Backward weighs each forward of a step by the schedule's loss_weight: 1 / forwards.
+        self.loss_fn = loss_fn
+        self.forwards = 1 / getattr(schedule, "loss_weight", 1 / config.training.grad_accum_steps)
         self.device, self.bos_id = device, bos_id
         # The core's mixed precision: the weights stay float32, forward and backward compute in the narrower
         # dtype (autocast), unless a plugin does mixed precision its own way (FSDP's policy).
@@ -151,7 +152,6 @@ class Trainer:
             loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
         loss_fn = objective.TokenNormalisation(loss_fn, plan, device)
         schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
-        self.loss_weight = schedule_loss_weight(schedule, config)
         optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
         lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
         dp_rank = mesh.local_rank(*plan.data_parallel_dims)
@@ -178,7 +178,7 @@ class Trainer:
         """Train up to ``training.steps``; returns the signal that stopped the run earlier, or None."""
         config, hooks, state, steps = self.config, self.hooks, self.state, self.config.training.steps
         first_step, stopped, saved = state.step + 1, None, None
-        with objective.loss_weight(self.loss_weight):
+        with objective.loss_weight(1 / self.step.forwards):
             while state.step < steps and stopped is None:
                 state.step += 1
                 self.profiler.step_begins(state.step)
@@ -234,28 +234,6 @@ class Trainer:
         return self.metrics.log(step, grad_norm.item(), lr, extra)
 
 
-class FiniteWatch:
-    """Whether every step's loss and gradient norm were finite, kept on the device: the host asks (a sync)
-    only on logged steps and before a checkpoint is written, so a step that logs nothing never waits."""
-
-    def __init__(self, device: torch.device):
-        self.first_bad = torch.zeros(3, device=device)  # step (0: none yet), its mean loss, its grad norm
-
-    def record(self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
-        loss = torch.zeros((), device=grad_norm.device) if loss is None else loss  # a stage without the loss
-        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        # torch.full, not torch.tensor: a copy from the host would wait for the device to finish the step.
-        seen = torch.stack([torch.full((), float(step), device=grad_norm.device), loss, grad_norm.float()])
-        self.first_bad = torch.where((self.first_bad[0] == 0) & ~finite, seen, self.first_bad)
-
-    def check(self) -> None:
-        step, loss, grad_norm = self.first_bad.tolist()
-        if step:
-            raise FloatingPointError(f"loss is {loss} at step {int(step)} (grad norm {grad_norm}): stopped before "
-                                     "any checkpoint holds the weights it updated; lower optimizer.lr or check the "
-                                     "data")
-
-
 def local_mean(losses: list[torch.Tensor]) -> torch.Tensor | None:
     """The mean of this rank's micro-batch losses in fp32, on the device; None where none is computed."""
     return torch.stack(losses).float().mean() if losses else None
@@ -265,38 +243,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def schedule_loss_weight(schedule, config) -> float:
-    """What the schedule scales each forward's loss by (1 / the forwards of a step on this rank)."""
-    return getattr(schedule, "loss_weight", 1 / config.training.grad_accum_steps)
-
-
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy summed over the trained tokens, computed in fp32 whatever the logits' dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=objective.IGNORE_INDEX,
                            reduction="sum")
-
-
-def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, mesh: ParallelMesh) -> torch.Tensor:
-    """Total L2 norm of all gradients across every shard and pipeline stage (a tensor: reading it is a host
-    sync); clips to ``max_norm``."""
-    by_mesh: dict[object, list[torch.Tensor]] = {}  # DTensors of different meshes (experts') never mix in one op
-    for part in model_parts:
-        for p in part.parameters():
-            if p.grad is not None:
-                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    squares = [torch.zeros((), device=mesh.device_type)]
-    for params in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
-    norm = torch.stack(squares).sum()
-    pp = mesh.submesh(PP)
-    if pp is not None:  # each stage holds different parameters: sum the squares over stages
-        dist.all_reduce(norm, group=pp.get_group())
-    norm = norm.sqrt()
-    if max_norm:
-        for params in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
 
 
 def save_full_weights(model_parts: list[torch.nn.Module], path: Path) -> None:

@@ -14,7 +14,8 @@ from torch import nn
 
 from titan_core.attention import MASKS
 from titan_core.data import check_data
-from titan_core.default_hooks import ADAMW_IMPLEMENTATIONS, DECAY_SHAPES
+from titan_core.default_hooks import ADAMW_IMPLEMENTATIONS
+from titan_core.lr_schedule import DECAY_SHAPES
 from titan_core.description import CORE_ATTENTION, attribute
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind

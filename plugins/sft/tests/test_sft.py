@@ -64,6 +64,14 @@ def test_a_conversation_that_cannot_train_says_why(tokenizer_folder, messages, p
     assert problem in _renderer(tokenizer_folder).example(messages).problem
 
 
+def test_a_conversation_that_document_attention_would_cut_is_refused(tokenizer_folder):
+    # A Qwen instruct folder has no begin token and ends each turn with its end-of-text token, which then starts
+    # documents: its replies would not see the question.
+    end_of_turn = ChatRenderer(tokenizer_folder / "tokenizer.json", "{% for m in messages %}{{ m.content }}"
+                               "<|end_of_text|>{% endfor %}", BOS, EOS, EOS_ID, SEQ_LEN + 1)
+    assert "appears inside it" in end_of_turn.example(CONVERSATIONS[1]).problem
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_not_trained_wrongly(tokenizer_folder, tmp_path):
     # Like templates that drop an earlier reply's reasoning once a later turn follows.
     template = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[reply]{% else %}"

@@ -91,6 +91,9 @@ class ChatRenderer:
         trained = [any(start <= offset < end for start, end in replies) for offset, _ in encoded["offset_mapping"]]
         if not ids or ids[0] != self.bos_id:  # the core finds packed documents by their first token
             ids, trained = [self.bos_id, *ids], [False, *trained]
+        if self.bos_id in ids[1:]:  # e.g. a folder whose end-of-turn token stands in for a missing begin token
+            return Example(problem=f"token {self.bos_id}, which starts a document, appears inside it: document "
+                                   "attention would cut the conversation there", kind="a document start inside")
         if not any(trained):
             return Example(problem="the assistant's replies render to no tokens", kind="empty replies")
         if len(ids) > self.max_tokens:
