@@ -466,3 +466,16 @@ def test_this_cpu_is_measured_and_each_worker_runs_on_its_threads_within_its_sha
         with_cores = dataclasses.replace(CPU, cores=cores)
         assert (dataclasses.replace(two_threads_each, hardware=with_cores).step_seconds()["matmul"]
                 == pytest.approx(dataclasses.replace(two, hardware=CPU).step_seconds()["matmul"] / speed))
+
+
+def test_a_plugin_that_freezes_the_model_is_counted_with_its_trained_share():
+    """LoRA rank 4 on the 7 linears of each of qwen3_tiny's 4 blocks trains 4 x (128 + 96 + 96 + 128 + 192 + 192 +
+    192) x 4 = 16,384 values: AdamW keeps its 8 bytes for those alone (lora's estimate_costs sets trained_share)."""
+    config = compose("model=qwen3_tiny", "tokenizer.path=bytes", "training.seq_len=64", "+plugins=[lora]",
+                     "plugins.lora.rank=4")
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, 256)
+    adapted = estimate(config, plan, registry, CPU)
+    assert adapted.memory()["optimizer"] == pytest.approx(8 * 16_384)
+    adapted.trained_share = 1.0  # the whole model trained, as without lora
+    assert adapted.memory()["optimizer"] > 8 * 16_384 * 10

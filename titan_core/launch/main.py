@@ -13,7 +13,6 @@ import logging
 import multiprocessing
 import os
 import sys
-from multiprocessing import forkserver
 from pathlib import Path
 
 import hydra
@@ -81,8 +80,11 @@ def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None
     On one machine the rendezvous listens on a free port chosen by the OS (a fixed port collides with
     any other job on the machine); the agents of a multi-node job meet on its first node. On SIGTERM or SIGINT
     the agent passes the signal on to the workers, which finish their step and save, and kills those still
-    running after ``launch.stop_timeout_s``. The workers are forked from the server :func:`start_worker_server`
-    started.
+    running after ``launch.stop_timeout_s``.
+
+    Workers are forked from a server process that imported torch and the training loop once: a spawned
+    interpreter imports them anew (~3 s of a core each), which on this 2-core machine made an 8-rank job of
+    five steps take 30 s instead of 19. The server initializes no device and no thread pool before it forks.
     """
     elastic = run_dir / "elastic" / (f"node{nodes.index}" if nodes.count > 1 else "")
     launch_config = LaunchConfig(
@@ -91,6 +93,7 @@ def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None
         max_restarts=config.launch.max_restarts, start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=str(elastic)), shutdown_timeout=int(config.launch.stop_timeout_s))
     _agent_logs_to(elastic / "agent.log")
+    multiprocessing.get_context("forkserver").set_forkserver_preload([worker_main.__module__])
     try:
         # The config goes as text: the other nodes' workers must not wait for the first node's config.yaml.
         elastic_launch(launch_config, worker_main)(OmegaConf.to_yaml(config), str(run_dir))
@@ -116,18 +119,6 @@ def _agent_logs_to(path: Path) -> None:
         logger.handlers, logger.propagate = [handler], False
 
 
-def start_worker_server() -> None:
-    """Start the process the workers will be forked from, importing torch and the training loop while this one
-    composes and checks the job.
-
-    A spawned worker imports them anew (~3 s of a core each): on this 2-core machine an 8-rank job of five steps
-    took 30 s instead of 19, and a 2-rank one 8.2 s instead of 6.6 with the import overlapped. The server
-    initializes no device and no thread pool before it forks; a job of one process leaves it idle.
-    """
-    multiprocessing.get_context("forkserver").set_forkserver_preload([worker_main.__module__])
-    forkserver.ensure_running()
-
-
 def main() -> None:
     try:
         check_command_line(sys.argv[1:])
@@ -137,8 +128,6 @@ def main() -> None:
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
         # One rank writes Hydra's own files; the others would race on them.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=disabled"]
-    if not under_torchrun():
-        start_worker_server()
     register_with_hydra()
     hydra_main()
     gc.freeze()  # as worker_main does: the exit skips freeing torch's objects one by one

@@ -74,7 +74,9 @@ class Estimate:
     multiplies it). The core sets ``optimizer_bytes`` (bytes per parameter element its optimizer step moves) and
     ``optimizer_state_bytes`` (bytes per parameter element its optimizer keeps), both measured by stepping the
     job's own optimizer on one parameter; an optimizer plugin whose state depends on a parameter's shape (Muon
-    for matrices, AdamW for the rest) sets the latter to its average in its ``estimate_costs``.
+    for matrices, AdamW for the rest) sets the latter to its average in its ``estimate_costs``. ``trained_share``:
+    the parameters that train, as a share of the model's (a plugin that freezes the model and adds parameters
+    of its own sets it): gradients, optimizer states and the optimizer's traffic exist for those only.
     """
 
     config: object
@@ -104,6 +106,7 @@ class Estimate:
     dispatch_cost: float = 1.0
     optimizer_bytes: float = 0.0
     optimizer_state_bytes: float = 8.0
+    trained_share: float = 1.0
     ranks: list[dict] = field(default_factory=list)
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
     collectives: list[Collective] = field(default_factory=list)
@@ -197,8 +200,9 @@ class Estimate:
         kept = [tokens * self.kept(i) for i in self.blocks]
         outer = tokens * facts.outer_saved / self.outer_split if self.holds_outputs else 0.0
         loss_backward = tokens * facts.loss_backward / self.outer_split if self.holds_outputs else 0.0
-        all_gradients = 4 * state
-        made = 4 * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # the blocks' come later
+        trained = self.trained_share
+        all_gradients = 4 * state * trained
+        made = 4 * trained * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # blocks' come later
         start, blocks, end = ({category: 0.0 for category in CATEGORIES} for _ in range(3))
         memory = {category: 0.0 for category in CATEGORIES}
         for category, _, nbytes, _, when in self.memory_terms:
@@ -212,7 +216,7 @@ class Estimate:
             working = (facts.block_input / self.stream_split + recomputed
                        + facts.block_backward[i] / self.activation_split)
             phases.append((others + sum(kept[:position + 1]) + tokens * working, made, blocks))
-            made += 4 * facts.block_params[i] / shards
+            made += 4 * trained * facts.block_params[i] / shards
         phases.append((others, all_gradients, {category: blocks[category] + end[category] for category in CATEGORIES}))
         if self.gradients_at_peak():
             phases = [(activations, all_gradients, own) for activations, _, own in phases]
@@ -220,7 +224,7 @@ class Estimate:
         memory["parameters"] += 4 * state
         memory["gradients"] += gradients
         memory["activations"] += activations
-        memory["optimizer"] += self.optimizer_state_bytes * state
+        memory["optimizer"] += self.optimizer_state_bytes * state * trained
         memory["buffers"] += facts.buffer_bytes
         return {category: memory[category] + own[category] for category in CATEGORIES}
 
@@ -260,8 +264,8 @@ class Estimate:
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
         tokens = self.microbatch_tokens * self.microbatches_per_step()
         elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)
-        optimizer = (self.optimizer_bytes * self.held_params() / (self.weight_split * self.state_shards)
-                     / (hardware.memory_gbps * 1e9))
+        optimizer = (self.optimizer_bytes * self.held_params() * self.trained_share
+                     / (self.weight_split * self.state_shards) / (hardware.memory_gbps * 1e9))
         host = self.host_seconds()
         hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
         waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
 from titan_core.testing import LOSS_TOL, config_error, error_line, install_plugins, run_job, write_hf_folder
 
@@ -139,6 +140,8 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_not_the_froze
     weights = sorted(k for k in saved if k.startswith("model."))
     moments = sorted(k for k in saved if k.startswith("optimizer.") and k.endswith(".exp_avg"))
     assert len(weights) == len(moments) == 28 and all(".lora_A." in k or ".lora_B." in k for k in weights + moments)
+    # rank 4 x (in + out) of each block's 7 linears (64-64, 64-32, 64-32, 64-64, 64-96, 64-96, 96-64), 2 blocks
+    assert sum(saved[k].size.numel() for k in moments) == 4 * (128 + 96 + 96 + 128 + 160 + 160 + 160) * 2 == 7_424
     held = sum(saved[k].size.numel() * saved[k].properties.dtype.itemsize for k in saved
                if k.startswith(("model.", "optimizer.")))
     files = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
@@ -172,11 +175,16 @@ def test_a_resumed_run_continues_the_uninterrupted_one(start, one_process, plugi
                                              ("cp", ["plugins.cp.degree=2"]), ("ac,compile", [])],
                          ids=["pp2", "cp2", "ac-compile"])  # fsdp: resumed under two shards, below
 def test_every_plan_equals_one_process(start, one_process, plugin, options, tmp_path):
+    """Each plan's losses, and the adapters it exports, are one process's."""
     base, adapter = start
     result = run_job(lora_job(base, adapter, *options, plugins=f",{plugin}"), tmp_path)
     ours, reference = losses(result.run_dir), losses(one_process.run_dir)
     print(f"{plugin}: max loss diff to one process {max(abs(a - b) for a, b in zip(ours, reference)):.2e}")
     assert max(abs(a - b) for a, b in zip(ours, reference)) <= LOSS_TOL
+    exported = [load_file(run / f"adapter-step-{STEPS}" / "adapter_model.safetensors")
+                for run in (result.run_dir, one_process.run_dir)]
+    assert exported[0].keys() == exported[1].keys()
+    assert max((exported[0][k] - exported[1][k]).abs().max().item() for k in exported[1]) <= 1e-5
 
 
 # Lists, once the model is built, the adapted linears and whether each computes in float8.

@@ -228,6 +228,14 @@ class LoraPlugin:
         validate_options(config, plugin_config, plan)
 
     @hookimpl
+    def estimate_costs(self, estimate, config, plugin_config, plan):
+        """lora: only the adapters train: gradients and optimizer states for their share of the model's size."""
+        model = build_meta_model(config, plan.model)
+        linears = chosen_linears(model, plan.model, target_paths(plan.model, plugin_config.targets))
+        adapters = sum(plugin_config.rank * (linear.in_features + linear.out_features) for linear in linears.values())
+        estimate.trained_share = adapters / sum(p.numel() for p in model.parameters())
+
+    @hookimpl
     def convert_modules(self, model, plugin_config, plan):
         """lora: freeze every weight and give the chosen linears their adapters."""
         model.requires_grad_(False)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from titan_core import IGNORE_INDEX, document_ids, load_tokenizer, tokenizer_file
-from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, built_model, compare, error_line, merged, run_job
+from titan_core.testing import (LOSS_TOL, PARAM_TOL, TINY, built_model, compare, config_error, error_line, merged,
+                                run_job)
 from titan_sft.chat import ChatRenderer
 from titan_sft.rows import ChatRows
 
@@ -162,3 +163,8 @@ def test_bad_rows_are_counted_before_launch_or_refused(tokenizer_folder, tmp_pat
     assert error_line(refused) == (
         "titan-core: error: plugins.sft.path: conversation 12 cannot be trained on: no assistant turn (3 of 15 cannot); "
         "fix: fix or drop those rows, or set plugins.sft.bad_rows=skip")
+
+
+def test_too_few_held_out_conversations_for_a_batch_are_refused(tokenizer_folder):
+    error = config_error(*sft_job(tokenizer_folder), "plugins.sft.holdout_every=16", "validation.every=2")
+    assert error.field == "plugins.sft.holdout_every" and "holds out 4 usable conversations" in str(error)

@@ -62,6 +62,11 @@ class SftPlugin:
             raise ConfigError("plugins.sft.path", f"conversation {index} cannot be trained on: {example.problem} "
                               f"({len(problems)} of {len(rows)} cannot)",
                               "fix or drop those rows, or set plugins.sft.bad_rows=skip")
+        every, bad = plugin_config.holdout_every, {index for index, _ in problems}
+        held = sum(1 for index in range(len(rows)) if every and index % every == every - 1 and index not in bad)
+        if config.validation.every and held < config.training.global_batch_size:
+            raise ConfigError("plugins.sft.holdout_every", f"holds out {held} usable conversations, fewer than the "
+                              f"{config.training.global_batch_size} rows of a batch", "hold out more (a smaller N)")
         if len(rows) - len(problems) < config.training.global_batch_size:
             raise ConfigError("plugins.sft.path", f"{len(rows) - len(problems)} usable conversations, fewer than the "
                               f"{config.training.global_batch_size} rows of a batch", "add conversations, or lower "
