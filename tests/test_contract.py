@@ -6,7 +6,7 @@ import json
 import pytest
 
 from titan_core.plugins import Hooks, Registry, build_plan
-from titan_core.testing import TINY, compare, compose, error_line, install_plugins, run_job
+from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, compose, error_line, install_plugins, run_job
 
 # A model the core has never seen: its own names, learned positions computed inside forward, and a
 # description that says only what it must. Plugins that need more must refuse it, never train it wrong.
@@ -470,6 +470,65 @@ def build_dataloader(config, dp_size):
     """rows: the same rows every step."""
     return Rows(config.training.global_batch_size // dp_size, config.training.seq_len)
 '''
+
+
+# A data plugin as docs/writing-plugins.md describes one: labels it does not train on are IGNORE_INDEX, and it
+# gives its own held-out batches.
+MASKED_ROWS = '''
+import torch
+from titan_core import IGNORE_INDEX, hookimpl
+
+
+class Rows:
+    """The same rows every step; row r trains on its last 5 r + 3 tokens only."""
+
+    def __init__(self, first_row, rows, seq_len, offset):
+        row = torch.arange(first_row, first_row + rows)[:, None]
+        tokens = (torch.arange(seq_len + 1) * 7 + row * 13 + offset) % 200
+        self.inputs, self.labels = tokens[:, :-1], tokens[:, 1:].clone()
+        self.labels[torch.arange(seq_len) < seq_len - (row * 5 + 3)] = IGNORE_INDEX
+
+    def __next__(self):
+        return self.inputs, self.labels
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def rows(config, dp_rank, dp_size, offset):
+    local = config.training.global_batch_size // dp_size
+    return Rows(dp_rank * local, local, config.training.seq_len, offset)
+
+
+@hookimpl
+def build_dataloader(config, dp_rank, dp_size):
+    """masked: fixed rows, each trained on a different number of its last tokens."""
+    return rows(config, dp_rank, dp_size, 0)
+
+
+@hookimpl
+def build_validation_batches(config, dp_rank, dp_size):
+    """masked: other fixed rows, masked alike."""
+    return [rows(config, dp_rank, dp_size, 1).__next__() for _ in range(config.validation.batches)]
+'''
+
+
+@pytest.mark.slow
+def test_an_outsiders_masked_data_trains_and_validates_under_fsdp_like_one_process(tmp_path):
+    """Rows training on 3 to 32 of their 32 tokens: two ranks of four rows, two micro-batches each, train and
+    validate as one process does on the eight (a mean per rank or micro-batch would not)."""
+    env = install_plugins(tmp_path / "site", {"masked": (MASKED_ROWS, "")}, "masked-plugin")
+    validating = ["validation.every=5", "validation.batches=1"]
+    one = run_job([*TINY, "+plugins=[masked]", *validating], tmp_path / "one", env=env)
+    sharded = run_job([*TINY, "+plugins=[masked,fsdp]", "plugins.fsdp.degree=2", "training.grad_accum_steps=2",
+                       *validating], tmp_path / "fsdp", env=env)
+    report = compare(sharded, one)
+    assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+    validation = [[m["validation_loss"] for m in run.metrics if "validation_loss" in m] for run in (one, sharded)]
+    assert len(validation[0]) == 1 and validation[0] == pytest.approx(validation[1], abs=LOSS_TOL)
 
 
 def test_training_data_from_a_plugin_without_validation_data_is_refused_when_validating(tmp_path):

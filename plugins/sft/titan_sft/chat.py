@@ -15,8 +15,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import PreTrainedTokenizerFast
+
 from titan_core import ConfigError
 
+# transformers logs a warning per tokenizer built without a model's files: nothing a user can act on.
+logging.getLogger("transformers").setLevel(logging.ERROR)
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -56,10 +60,6 @@ class ChatRenderer:
 
     def __init__(self, tokenizer_json: Path, template: str, bos_token: str, eos_token: str, bos_id: int,
                  max_tokens: int):
-        # transformers logs a warning per tokenizer built without a model's files; nothing a user can act on.
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        from transformers import PreTrainedTokenizerFast
-
         self.tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), bos_token=bos_token,
                                                  eos_token=eos_token)
         self.tokenizer.chat_template = template

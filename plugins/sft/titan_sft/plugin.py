@@ -27,6 +27,9 @@ datasets.disable_progress_bars()  # a bar per file read, every run and every ran
 class SftPlugin:
     """The ``sft`` plugin: the training and validation batches of a chat dataset."""
 
+    def __init__(self):
+        self.source: tuple | None = None  # this run's renderer and dataset, once a worker has read them
+
     @hookimpl
     def validate(self, config, plugin_config):
         """sft: the dataset, its template and its rows, before any worker starts."""
@@ -63,7 +66,7 @@ class SftPlugin:
                               f"({len(problems)} of {len(rows)} cannot)",
                               "fix or drop those rows, or set plugins.sft.bad_rows=skip")
         every, bad = plugin_config.holdout_every, {index for index, _ in problems}
-        held = sum(1 for index in range(len(rows)) if every and index % every == every - 1 and index not in bad)
+        held = sum(1 for index in range(len(rows)) if held_out(index, every) and index not in bad)
         if config.validation.every and held < config.training.global_batch_size:
             raise ConfigError("plugins.sft.holdout_every", f"holds out {held} usable conversations, fewer than the "
                               f"{config.training.global_batch_size} rows of a batch", "hold out more (a smaller N)")
@@ -82,16 +85,31 @@ class SftPlugin:
     def build_dataloader(self, config, tokenizer, dp_rank, dp_size, plugin_config):
         """sft: this rank's rows of packed (or padded) conversations, the replies alone trained on."""
         every = plugin_config.holdout_every
-        return _chat_rows(config, plugin_config, tokenizer, dp_rank, dp_size,
-                          lambda index: not every or index % every != every - 1)
+        return self._chat_rows(config, plugin_config, tokenizer, dp_rank, dp_size,
+                               lambda index: not held_out(index, every))
 
     @hookimpl
     def build_validation_batches(self, config, tokenizer, dp_rank, dp_size, plugin_config):
         """sft: this rank's rows of ``validation.batches`` global batches of the held-out conversations."""
         every = plugin_config.holdout_every
-        rows = _chat_rows(config, plugin_config, tokenizer, dp_rank, dp_size,
-                          lambda index: index % every == every - 1)
+        rows = self._chat_rows(config, plugin_config, tokenizer, dp_rank, dp_size, lambda index: held_out(index, every))
         return [next(rows) for _ in range(config.validation.batches)]
+
+    def _chat_rows(self, config, plugin_config, tokenizer, dp_rank, dp_size, keep) -> ChatRows:
+        if self.source is None:  # read once per run for the training and the validation rows
+            self.source = (_renderer(config, plugin_config, tokenizer.bos_id), _rows(plugin_config))
+        renderer, dataset = self.source
+        field = plugin_config.messages_field
+        local = config.training.global_batch_size // dp_size
+        return ChatRows(lambda index: renderer.example(dataset[index][field]),
+                        [index for index in range(len(dataset)) if keep(index)], config.training.global_batch_size,
+                        range(dp_rank * local, (dp_rank + 1) * local), config.training.seq_len, tokenizer.eos_id,
+                        plugin_config.packing)
+
+
+def held_out(index: int, every: int) -> bool:
+    """Whether conversation ``index`` is validation's: every ``every``-th (none when 0)."""
+    return bool(every) and index % every == every - 1
 
 
 def _rows(plugin_config):
@@ -120,14 +138,3 @@ def _renderer(config, plugin_config, bos_id: int) -> ChatRenderer:
     template = find_chat_template(tokenizer_json, plugin_config.chat_template, "plugins.sft.chat_template")
     return ChatRenderer(tokenizer_json, template, config.tokenizer.bos_token, config.tokenizer.eos_token, bos_id,
                         config.training.seq_len + 1)
-
-
-def _chat_rows(config, plugin_config, tokenizer, dp_rank, dp_size, keep) -> ChatRows:
-    renderer = _renderer(config, plugin_config, tokenizer.bos_id)
-    dataset = _rows(plugin_config)
-    field = plugin_config.messages_field
-    local = config.training.global_batch_size // dp_size
-    return ChatRows(lambda index: renderer.example(dataset[index][field]),
-                    [index for index in range(len(dataset)) if keep(index)], config.training.global_batch_size,
-                    range(dp_rank * local, (dp_rank + 1) * local), config.training.seq_len, tokenizer.eos_id,
-                    plugin_config.packing)

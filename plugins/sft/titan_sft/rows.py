@@ -21,8 +21,9 @@ class ChatRows:
 
     def __init__(self, example: Callable[[int], Example], conversations: Sequence[int], global_rows: int,
                  rows: range, seq_len: int, pad_id: int, packing: bool):
-        self.example, self.conversations, self.global_rows = example, conversations, global_rows
+        self.example = example
         self.rows, self.seq_len, self.pad_id, self.packing = rows, seq_len, pad_id, packing
+        self.streams = [conversations[row::global_rows] for row in rows]
         self.taken = [0] * len(rows)  # conversations each row's stream has used, across epochs
 
     def __iter__(self):
@@ -33,7 +34,7 @@ class ChatRows:
         return torch.stack([inputs for inputs, _ in rows]), torch.stack([labels for _, labels in rows])
 
     def _row(self, index: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = self.conversations[row::self.global_rows]
+        stream = self.streams[index]
         ids: list[int] = []
         trained: list[bool] = []
         for _ in range(len(stream)):  # a stream of conversations that cannot be used ends the search
