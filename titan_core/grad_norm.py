@@ -3,12 +3,18 @@ whose loss or norm stopped being finite before any checkpoint holds the weights 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_core.mesh import ParallelMesh
 from titan_core.plan import PP
+
+# DTensor warns on every rank that a norm's scalar partial over two mesh dimensions (fsdp x tp) is reduced by
+# two all-reduces and advises flattening the mesh: two collectives of one number a step, nothing to act on.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def clip_grad_norm_(model_parts: list[torch.nn.Module], max_norm: float | None, mesh: ParallelMesh) -> torch.Tensor:

@@ -200,6 +200,7 @@ class ParityReport:
     max_loss_diff: float
     max_param_diff: float
     worst_param: str
+    stderr: str  # what the run showed the user besides its progress: empty for a run that went right
 
     def __str__(self) -> str:
         return (f"max loss diff {self.max_loss_diff:.2e} over {len(self.losses)} steps; "
@@ -216,7 +217,7 @@ def compare(result: JobResult, reference: JobResult) -> ParityReport:
         raise AssertionError(f"parameter names differ: {sorted(weights.keys() ^ expected.keys())[:5]}")
     diffs = {name: (weights[name].float() - expected[name].float()).abs().max().item() for name in expected}
     worst = max(diffs, key=diffs.get)
-    return ParityReport(result.losses, reference.losses, loss_diff, diffs[worst], worst)
+    return ParityReport(result.losses, reference.losses, loss_diff, diffs[worst], worst, result.stderr)
 
 
 @pytest.fixture(scope="session")

@@ -17,12 +17,21 @@ import logging
 import torch
 from torch import nn
 
-from titan_core import DATA_PARALLEL_SHARDING, ConfigError, canonical_name, hookimpl
+from titan_core import DATA_PARALLEL_SHARDING, ConfigError, Declaration, canonical_name, hookimpl
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")
 log = logging.getLogger("titan_core")
 MXFP8_NEEDS_TRITON = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")  # torchao's CUDA cast kernels
+# Module conversions run in stage order: float8 replaces whole linears, so it goes before any conversion at a
+# later stage that hangs modules on them (LoRA's adapters, 210), which a replacement would drop.
+STAGE = 150
+
+
+@hookimpl
+def declare():
+    """float8: its place among the module conversions, before those that build on its linears."""
+    return Declaration(stage=STAGE)
 
 
 @hookimpl

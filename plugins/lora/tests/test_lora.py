@@ -172,10 +172,14 @@ def test_a_resumed_run_continues_the_uninterrupted_one(start, one_process, plugi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plugin, options", [("pp", ["plugins.pp.degree=2", "training.grad_accum_steps=2"]),
-                                             ("cp", ["plugins.cp.degree=2"]), ("ac,compile", [])],
-                         ids=["pp2", "cp2", "ac-compile"])  # fsdp: resumed under two shards, below
+                                             ("cp", ["plugins.cp.degree=2"]), ("ac,compile", []),
+                                             ("fsdp,tp", ["plugins.fsdp.degree=2", "plugins.tp.degree=2"]),
+                                             ("tp", ["plugins.tp.degree=2", "plugins.tp.sequence_parallel=false"])],
+                         ids=["pp2", "cp2", "ac-compile", "fsdp2-tp2-sp", "tp2"])  # fsdp: resumed under two shards, below
 def test_every_plan_equals_one_process(start, one_process, plugin, options, tmp_path):
-    """Each plan's losses, and the adapters it exports, are one process's."""
+    """Each plan's losses, and the adapters it exports, are one process's. Under tp the adapters are split like
+    their linears, and the frozen norms stay frozen (torch's replicated norm weights came back trainable: 0.016
+    off in the loss with sequence parallel, 0.011 without)."""
     base, adapter = start
     result = run_job(lora_job(base, adapter, *options, plugins=f",{plugin}"), tmp_path)
     ours, reference = losses(result.run_dir), losses(one_process.run_dir)
@@ -231,8 +235,6 @@ def test_what_lora_cannot_do_is_refused(start):
     error = config_error(*job, "plugins.lora.targets=[experts]")
     assert error.field == "plugins.lora.targets" and "experts are grouped tensors" in str(error)
     assert "unknown target 'attn'" in str(config_error(*job, "plugins.lora.targets=[attn]"))
-    error = config_error("model=hf", f"model.path={base}", "+plugins=[checkpoint,lora,tp]", "plugins.tp.degree=2")
-    assert error.field == "plugins.lora" and "tensor parallel" in str(error)
     error = config_error(*job, f"plugins.lora.init_from={adapter}", "plugins.lora.rank=8")
     assert error.field == "plugins.lora.rank" and f"8 disagrees with {RANK}" in str(error)
     assert config_error(*job, "plugins.lora.rank=0").field == "plugins.lora.rank"

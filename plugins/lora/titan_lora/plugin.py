@@ -8,6 +8,11 @@ the adapters. ``after_init`` draws ``lora_A`` as PEFT does (Kaiming-uniform) fro
 every plan starts alike, and zeroes ``lora_B`` (training starts at the base model), or reads a PEFT adapter.
 ``on_train_end`` writes the adapters in PEFT's format.
 
+Under tensor parallel (stage 210, right after tp's 200) each adapter is split like its linear: a linear split by
+output features has its ``lora_B`` split the same way, one split by input features its ``lora_A``; the other
+factor is whole on every rank. The update then has the base output's placement (its slice of the features, or
+partial sums that the base's own reduction adds up), so tensor parallel adds no collective of its own for it.
+
 The roles come from the model's description: its tensor-parallel layout lists each block's linears, and its
 first region is attention, its second the MLP. A mixture of experts' experts are grouped tensors, not linears:
 not adapted (yet), and refused by name.
@@ -26,12 +31,14 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from titan_core import CP, DP_REPLICATE, DP_SHARD, TP, ConfigError, ModelDescription, attribute, build_meta_model, \
-    canonical_name, hookimpl, lacks, local_box, text_or_null
+from titan_core import CP, DP_REPLICATE, DP_SHARD, TP, ConfigError, Declaration, ModelDescription, attribute, \
+    build_meta_model, canonical_name, hookimpl, lacks, local_box, text_or_null
 
 log = logging.getLogger("titan_core")
 FIELD = "plugins.lora"
+STAGE = 210  # right after tensor parallel split the adapted linears, before CP, AC, compile and FSDP
 ROLES = ("attention", "mlp")  # the description's block_regions, in their order
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -96,6 +103,16 @@ def add_low_rank_update(linear: nn.Linear, inputs: tuple, output: torch.Tensor) 
     return output + linear.lora_B(linear.lora_A(linear.lora_dropout(inputs[0]))) * linear.lora_scaling
 
 
+def split_like_base(linear: nn.Linear) -> None:
+    """Split the adapter's factor that shares a split dimension with the linear's weight, replicate the other."""
+    base = linear.weight
+    if not isinstance(base, DTensor):
+        return
+    for factor, dim in ((linear.lora_B, 0), (linear.lora_A, 1)):
+        placements = [p if isinstance(p, Shard) and p.dim == dim else Replicate() for p in base.placements]
+        factor.weight = nn.Parameter(distribute_tensor(factor.weight, base.device_mesh, placements, src_data_rank=None))
+
+
 def adapters(model_parts) -> dict[str, nn.Linear]:
     """The adapted linears of this rank's parts, by canonical name."""
     return {canonical_name(name): module for part in model_parts for name, module in part.named_modules()
@@ -133,9 +150,6 @@ def validate_options(config, options, plan) -> None:
         raise ConfigError(f"{FIELD}.dropout", f"{options.dropout!r} is not in [0, 1)", "set e.g. 0.0 or 0.05")
     if not options.targets:
         raise ConfigError(f"{FIELD}.targets", "is empty", f"name some of {', '.join(ROLES)}")
-    if plan.degree(TP) > 1:
-        raise ConfigError(f"{FIELD}", "lora does not compose with tensor parallel yet (its adapters would need "
-                          "the base linear's split)", "use fsdp, pp or cp for the base model, or plugins.tp.degree=1")
     paths = target_paths(plan.model, options.targets)
     model = build_meta_model(config, plan.model)
     for target in options.targets:
@@ -223,6 +237,11 @@ class LoraPlugin:
         self.mesh = None
 
     @hookimpl
+    def declare(self):
+        """lora: a model transform right after tensor parallel's, which splits the adapters like their linears."""
+        return Declaration(stage=STAGE)
+
+    @hookimpl
     def validate(self, config, plugin_config, plan):
         """lora: every option, the targets against the model's blocks, a PEFT adapter to start from, before launch."""
         validate_options(config, plugin_config, plan)
@@ -243,6 +262,12 @@ class LoraPlugin:
         for linear in linears.values():
             add_adapter(linear, plugin_config.rank, scale(plugin_config), plugin_config.dropout)
         self.adapted = set(linears)
+
+    @hookimpl
+    def apply_parallelism(self, model_parts):
+        """lora: split each adapter like the linear it adapts, where a parallelism split that linear."""
+        for linear in adapters(model_parts).values():
+            split_like_base(linear)
 
     @hookimpl
     def after_init(self, model_parts, mesh, config, plugin_config, plan):

@@ -33,6 +33,7 @@ def test_parity(titan_parity, overrides):
     report = titan_parity(overrides)
     assert report.max_loss_diff <= LOSS_TOL, report
     assert report.max_param_diff <= PARAM_TOL, report
+    assert not report.stderr, report.stderr  # torch's advice on FSDP2 views and 2-D norms stays off the console
 
 
 @pytest.fixture

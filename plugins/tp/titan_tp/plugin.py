@@ -94,10 +94,15 @@ def apply_parallelism(model_parts, mesh, plugin_config, plan):
     layout = plan.model.tensor_parallel
     sp, lp = plugin_config.sequence_parallel, plugin_config.loss_parallel
     for part in model_parts:
+        frozen = {name for name, param in part.named_parameters() if not param.requires_grad}
         apply_outer_plan(part, layout, tp_mesh, sp, lp)
         for block in plan.model.blocks_of(part).values():
             experts_layer = plan.model.experts.layer if plan.model.experts_of(block) is not None else None
             apply_block_plan(block, layout, tp_mesh, sp, experts_layer)
+        # torch's SequenceParallel, like any fresh nn.Parameter, makes a replicated norm weight trainable again:
+        # a frozen model (LoRA's base) would train its norms under tp and no longer be the model it was.
+        for name, param in part.named_parameters():
+            param.requires_grad_(name not in frozen)
     if plugin_config.async_tp:
         apply_async_tp(tp_mesh)
 
@@ -126,8 +131,8 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
         return experts_layer is None or not (name == experts_layer or name.startswith(experts_layer + "."))
 
     stream = Shard(1) if sp else Replicate()
-    plan = {name: ColwiseParallel() for name in layout.block_colwise if weights_split(name)}
-    plan |= {name: RowwiseParallel(output_layouts=stream) for name in layout.block_rowwise if weights_split(name)}
+    plan = {name: OwnColwise() for name in layout.block_colwise if weights_split(name)}
+    plan |= {name: OwnRowwise(output_layouts=stream) for name in layout.block_rowwise if weights_split(name)}
     # Each rank normalizes its own heads: the norm's weight is replicated and its gradient summed over ranks.
     plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in layout.head_norms}
     if sp:
@@ -141,6 +146,30 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
             replicate_norm(block.get_submodule(name), tp_mesh)
     if experts_layer is not None:
         split_tokens(block.get_submodule(experts_layer), tp_mesh, sp)
+
+
+class SplitsOwnWeights:
+    """A linear's style that splits the linear's own weight and bias only. torch's styles split every parameter
+    below the module, and a conversion may have hung modules on a linear (LoRA's adapters), whose split is the
+    converting plugin's to choose; they are detached while torch splits the linear."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        children = dict(module.named_children())
+        for name in children:
+            delattr(module, name)
+        try:
+            return super()._apply(module, device_mesh)
+        finally:
+            for name, child in children.items():
+                module.add_module(name, child)
+
+
+class OwnColwise(SplitsOwnWeights, ColwiseParallel):
+    """ColwiseParallel of the linear's own weight and bias."""
+
+
+class OwnRowwise(SplitsOwnWeights, RowwiseParallel):
+    """RowwiseParallel of the linear's own weight and bias."""
 
 
 def split_tokens(layer: nn.Module, tp_mesh, sp: bool) -> None:
