@@ -91,7 +91,7 @@ def test_self_launch_writes_per_rank_logs(tmp_path):
 @pytest.mark.slow
 def test_multirun_runs_each_job_as_its_own_world(tmp_path):
     # The first job trains in the sweep's process (one rank), leaving it an OpenMP pool of two threads; workers of
-    # two threads forked from it would hang, so the second job's come from a fresh server process.
+    # two threads forked from that process hang, so the second job's must come from a fresh server process.
     command = [sys.executable, "-m", "titan_core.run", "-m", *TINY, "+plugins=[fsdp]", "plugins.fsdp.degree=1,2",
                "launch.cpu_threads_per_worker=2", f"hydra.sweep.dir={tmp_path}"]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -31,7 +30,6 @@ from titan_core.launch.cluster import Nodes, job_nodes, workers_per_node
 from titan_core.launch.prepare import prepare
 from titan_core.launch.provenance import write_run_record
 from titan_core.launch.worker import train, worker_main
-from titan_core.mesh import device_kind
 from titan_core.planner.costs import estimate_here
 from titan_core.preemption import exit_code
 
@@ -66,7 +64,7 @@ def hydra_main(config) -> None:
     if under_torchrun() or plan.world_size == 1:
         _exit_if_stopped(train(config, run_dir))
     else:
-        launch_workers(config, run_dir, plan.world_size, nodes, HydraConfig.get().mode == RunMode.MULTIRUN)
+        launch_workers(config, run_dir, plan.world_size, nodes)
 
 
 def _exit_if_stopped(stopped) -> None:
@@ -76,7 +74,7 @@ def _exit_if_stopped(stopped) -> None:
         sys.exit(exit_code(stopped))
 
 
-def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes, in_sweep: bool) -> None:
+def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None:
     """Start this node's share of ``world_size`` workers with torch's elastic agent.
 
     On one machine the rendezvous listens on a free port chosen by the OS (a fixed port collides with
@@ -84,24 +82,18 @@ def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes, in_swee
     the agent passes the signal on to the workers, which finish their step and save, and kills those still
     running after ``launch.stop_timeout_s``.
 
-    A spawned interpreter imports torch and the training loop anew (~3 s of a core each). On a CPU the
-    workers of a single run are forked from this process, which has imported them and computed nothing (a 2-rank
-    job of one step took 8 s instead of 11 from a server process; the fsdp plugin's tests 87 s instead of 113).
-    Otherwise they are forked from a server process that imports the loop once and touches no device: on a GPU
-    machine this process has asked CUDA for its devices, which a forked child cannot inherit, and in a sweep an
-    earlier job may have trained here, leaving an OpenMP pool that a forked worker deadlocks on.
+    Workers are forked from a server process that imported torch and the training loop once: a spawned
+    interpreter imports them anew (~3 s of a core each), which on this 2-core machine made an 8-rank job of
+    five steps take 30 s instead of 19. The server initializes no device and no thread pool before it forks.
     """
-    start_method = "forkserver" if in_sweep or device_kind(config.launch.device) == "cuda" else "fork"
     elastic = run_dir / "elastic" / (f"node{nodes.index}" if nodes.count > 1 else "")
     launch_config = LaunchConfig(
         min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=workers_per_node(world_size, nodes),
         run_id=nodes.run_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rendezvous,
-        max_restarts=config.launch.max_restarts, start_method=start_method,
+        max_restarts=config.launch.max_restarts, start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=str(elastic)), shutdown_timeout=int(config.launch.stop_timeout_s))
     _agent_logs_to(elastic / "agent.log")
-    if start_method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload([worker_main.__module__])
-    gc.freeze()  # forked workers then leave the objects they inherit unwritten instead of copying their pages
+    multiprocessing.get_context("forkserver").set_forkserver_preload([worker_main.__module__])
     try:
         # The config goes as text: the other nodes' workers must not wait for the first node's config.yaml.
         elastic_launch(launch_config, worker_main)(OmegaConf.to_yaml(config), str(run_dir))
