@@ -174,8 +174,9 @@ def test_a_resumed_run_continues_the_uninterrupted_one(start, one_process, plugi
 @pytest.mark.parametrize("plugin, options", [("pp", ["plugins.pp.degree=2", "training.grad_accum_steps=2"]),
                                              ("cp", ["plugins.cp.degree=2"]), ("ac,compile", []),
                                              ("fsdp,tp", ["plugins.fsdp.degree=2", "plugins.tp.degree=2"]),
-                                             ("tp", ["plugins.tp.degree=2", "plugins.tp.sequence_parallel=false"])],
-                         ids=["pp2", "cp2", "ac-compile", "fsdp2-tp2-sp", "tp2"])  # fsdp: resumed under two shards, below
+                                             ("tp", ["plugins.tp.degree=2", "plugins.tp.sequence_parallel=false"]),
+                                             ("tp,ac,compile", ["plugins.tp.degree=2", "plugins.ac.mode=selective_op"])],
+                         ids=["pp2", "cp2", "ac-compile", "fsdp2-tp2-sp", "tp2", "tp2-compile-sac"])  # fsdp: resumed under two shards, below
 def test_every_plan_equals_one_process(start, one_process, plugin, options, tmp_path):
     """Each plan's losses, and the adapters it exports, are one process's. Under tp the adapters are split like
     their linears, and the frozen norms stay frozen (torch's replicated norm weights came back trainable: 0.016
