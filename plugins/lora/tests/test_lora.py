@@ -240,6 +240,9 @@ def test_what_lora_cannot_do_is_refused(start):
     assert error.field == "plugins.lora.rank" and f"8 disagrees with {RANK}" in str(error)
     assert config_error(*job, "plugins.lora.rank=0").field == "plugins.lora.rank"
     assert config_error(*job, "plugins.lora.dropout=1.0").field == "plugins.lora.dropout"
+    error = config_error("model=hf", f"model.path={base}", "+plugins=[checkpoint,lora,tp]", "plugins.tp.degree=2",
+                         "plugins.lora.dropout=0.1")
+    assert error.field == "plugins.lora.dropout" and "under tensor parallel" in str(error)
 
 
 def test_a_hugging_face_export_of_a_lora_model_is_refused_before_training(start, tmp_path):

@@ -150,6 +150,10 @@ def validate_options(config, options, plan) -> None:
         raise ConfigError(f"{FIELD}.dropout", f"{options.dropout!r} is not in [0, 1)", "set e.g. 0.0 or 0.05")
     if not options.targets:
         raise ConfigError(f"{FIELD}.targets", "is empty", f"name some of {', '.join(ROLES)}")
+    if options.dropout and plan.degree(TP) > 1:
+        # The masks would be drawn on split and replicated DTensors: untested that every rank draws alike.
+        raise ConfigError(f"{FIELD}.dropout", f"{options.dropout!r} under tensor parallel is not supported yet",
+                          "set plugins.lora.dropout=0.0, or plugins.tp.degree=1")
     paths = target_paths(plan.model, options.targets)
     model = build_meta_model(config, plan.model)
     for target in options.targets:
