@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from titan_core.data import document_opener, load_tokenizer
 from titan_core.data.text import PackedLoader
 from titan_core.initialization import init_weights
+from titan_core.parameter_roles import param_groups
 from titan_llama3.model import Transformer
 from titan_llama3.plugin import llama_args, describe
 from titan_core.train import cross_entropy_loss
@@ -43,10 +44,11 @@ def bare_loop(steps: int, interval: int) -> float:
     config.model = OmegaConf.load(ROOT / "plugins" / "llama3" / "titan_llama3" / "conf" / "model" / "debug.yaml")
     tokenizer = load_tokenizer(config.tokenizer)
     model = Transformer(llama_args(config.model, tokenizer.vocab_size, config.training.seq_len))
-    init_weights(model, describe(model.args), 0)
+    description = describe(model.args)
+    init_weights(model, description, 0)
     opt = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
+    groups = param_groups([model], description, opt.lr, opt.weight_decay, opt.no_weight_decay, opt.lr_multipliers)
+    optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
     batches = PackedLoader(document_opener(config.data), tokenizer, config.training.seq_len,
                            config.training.global_batch_size, 0, 1)
     start = None

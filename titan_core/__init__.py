@@ -11,7 +11,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name,
                       check_hf_config
     attention seam    causal_attention, document_attention, document_causal_mask, document_ids, grouped
-    the objective     add_loss, IGNORE_INDEX (the label of a token the loss skips)
+    the objective     add_loss, IGNORE_INDEX; the optimizer's groups: parameter_role, PARAMETER_ROLES, param_groups
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
     data-parallel     replicate_only_over, replicated_over
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
@@ -38,6 +38,7 @@ from titan_core.mesh import ParallelMesh, device_kind
 from titan_core.objective import IGNORE_INDEX, add_loss
 from titan_core.options import (FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count,
                                 text_or_null)
+from titan_core.parameter_roles import PARAMETER_ROLES, param_groups, parameter_role
 from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Declaration, MeshDimension, Plan,
                              PlannedPlugin, rest_of)
 from titan_core.planner.estimate import Estimate
@@ -60,8 +61,8 @@ __all__ = [
     "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
     # the attention seam
     "causal_attention", "document_attention", "document_causal_mask", "document_ids", "grouped",
-    # the objective
-    "add_loss", "IGNORE_INDEX",
+    # the objective, the optimizer's parameter groups
+    "add_loss", "IGNORE_INDEX", "parameter_role", "PARAMETER_ROLES", "param_groups",
     # the run
     "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind",
     # data parallel

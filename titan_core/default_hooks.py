@@ -8,8 +8,9 @@ import torch
 from titan_core.adamw import AdamWNarrowStates
 from titan_core.data import training_loader, validation_batches
 from titan_core.hookspecs import hookimpl
-from titan_core.lr_schedule import lr_schedule
+from titan_core.lr_schedule import StepSchedule, lr_schedule
 from titan_core.options import FLOAT_DTYPES
+from titan_core.parameter_roles import param_groups
 
 
 class ForwardBackward:
@@ -38,13 +39,13 @@ def build_schedule(model_parts, config, loss_fn):
 
 
 @hookimpl
-def build_optimizer(model_parts, config):
+def build_optimizer(model_parts, config, plan):
     opt = config.optimizer
-    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    groups = param_groups(model_parts, plan.model, opt.lr, opt.weight_decay, opt.no_weight_decay, opt.lr_multipliers)
     hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
     if opt.state_dtype != "float32":
-        return AdamWNarrowStates(params, state_dtype=FLOAT_DTYPES[opt.state_dtype], **hyper)
-    return torch.optim.AdamW(params, **hyper, **ADAMW_IMPLEMENTATIONS[opt.implementation or "foreach"])
+        return AdamWNarrowStates(groups, state_dtype=FLOAT_DTYPES[opt.state_dtype], **hyper)
+    return torch.optim.AdamW(groups, **hyper, **ADAMW_IMPLEMENTATIONS[opt.implementation or "foreach"])
 
 
 # torch's three AdamW kernels: one update per parameter, one batched over all of them, one fused kernel.
@@ -53,7 +54,7 @@ ADAMW_IMPLEMENTATIONS = {"for_loop": {"foreach": False}, "foreach": {"foreach": 
 
 @hookimpl
 def build_lr_scheduler(optimizer, config):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config))
+    return StepSchedule(optimizer, lr_schedule(config))
 
 
 @hookimpl

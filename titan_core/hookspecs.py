@@ -241,8 +241,7 @@ def build_schedule(model_parts: list[nn.Module], mesh: ParallelMesh, config: Dic
                    plugin_config: DictConfig, plan: Plan) -> Any:
     """Build what runs forward and backward of one micro-batch, after the weights are initialized.
 
-    Runs once per worker; the one enabled plugin implementing it answers, else the core's plain forward and
-    backward on the single model part.
+    Runs once per worker; the one enabled plugin implementing it answers, else the core's forward and backward.
 
     :returns: An object with ``run(inputs, labels, model_kwargs) -> loss | None``: it runs the model parts as
         ``part(inputs, **model_kwargs)`` (a pipeline stage after the first takes the previous stage's output
@@ -262,9 +261,9 @@ def build_optimizer(model_parts: list[nn.Module], config: DictConfig, plugin_con
                     plan: Plan) -> torch.optim.Optimizer:
     """Build the optimizer over the trainable parameters of ``model_parts``.
 
-    Runs once per worker; the one enabled plugin implementing it answers, else the core's AdamW. The planner
-    steps it once on one small parameter to measure its state and traffic per parameter, so any optimizer a
-    plugin builds is priced (docs/planner.md).
+    Runs once per worker; the one enabled plugin implementing it answers, else the core's AdamW over the groups
+    :func:`titan_core.param_groups` makes of the parameters' roles. The planner steps it once on one small
+    parameter to measure its state and traffic per parameter, so any plugin's optimizer is priced (docs/planner.md).
 
     :returns: A ``torch.optim.Optimizer`` (its ``state_dict`` is checkpointed).
     """
@@ -338,8 +337,7 @@ def batch_context(inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict
 @hookspec
 def after_backward(model_parts: list[nn.Module], mesh: ParallelMesh, step: int, config: DictConfig,
                    plugin_config: DictConfig, plan: Plan) -> None:
-    """Event: the last backward of ``step`` is done; every gradient of this rank is accumulated, none is
-    clipped yet.
+    """Event: the last backward of ``step`` is done; every gradient of this rank is accumulated, none clipped yet.
 
     Runs once per step on every rank, in plan order, before the gradient norm and clipping: where a plugin
     that defines a data-parallel dimension averages the gradients over it (under a pipeline too: every

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 # How each decay falls from 1 to 0 as its progress goes from 0 to 1.
 DECAY_SHAPES = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
                 "sqrt": lambda p: 1 - math.sqrt(p)}
@@ -28,3 +30,18 @@ def lr_schedule(config):
         progress = min(1.0, (step - warmup) / max(1, steps - warmup))
         return floor + (1 - floor) * DECAY_SHAPES[s.decay](progress)
     return factor
+
+
+class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` of one factor for every parameter group, whose checkpointed state is its step alone.
+
+    The rates come from the job's own config (``optimizer.lr``, the groups' multipliers, ``lr_scheduler.*``), so
+    a job resumed with a different rate or different parameter groups runs the schedule its config describes.
+    """
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
+        self._last_lr = [base * factor(self.last_epoch) for factor, base in zip(self.lr_lambdas, self.base_lrs)]

@@ -209,9 +209,8 @@ def build_meta_model(config, description: ModelDescription) -> torch.nn.Module:
 class Hooks:
     """Calls hooks the core's way once the plan is known: each plugin with its own options and the plan.
 
-    ``each`` calls every enabled plugin in plan order, then the model plugin, and returns their
-    non-None answers; ``first`` calls the one plugin that implements a builder hook, else the core's
-    default.
+    ``each`` calls every enabled plugin in plan order, then the model plugin, and returns their non-None
+    answers; ``first`` calls the one plugin that implements a builder hook, else the core's default.
     """
 
     def __init__(self, registry: Registry, plan: Plan, config):

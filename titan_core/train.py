@@ -91,7 +91,8 @@ class TrainingStep:
         self.hooks.each("after_backward", model_parts=self.model_parts, mesh=self.mesh, step=step, config=self.config)
         grad_norm = clip_grad_norm_(self.model_parts, self.config.training.max_norm, self.mesh)
         self.optimizer.step()
-        lr = self.optimizer.param_groups[0]["lr"]  # what this step used, whoever set it
+        first = self.optimizer.param_groups[0]  # what this step used, whoever set it, less a group's multiplier
+        lr = first["lr"] / first.get("lr_multiplier", 1.0)
         self.lr_scheduler.step()
         self.hooks.each("after_optimizer_step", model_parts=self.model_parts, optimizer=self.optimizer,
                         config=self.config, step=step)

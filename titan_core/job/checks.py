@@ -19,6 +19,7 @@ from titan_core.lr_schedule import DECAY_SHAPES
 from titan_core.description import CORE_ATTENTION, attribute
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
+from titan_core.parameter_roles import check_param_group_rules
 from titan_core.plan import CP, TP, Plan
 from titan_core.plugins import Registry
 
@@ -118,6 +119,7 @@ def check_attention_mask(mask: str, plan: Plan) -> None:
 
 
 def check_optimizer(optimizer) -> None:
+    check_param_group_rules(optimizer.no_weight_decay, optimizer.lr_multipliers)
     if optimizer.implementation is not None and optimizer.implementation not in ADAMW_IMPLEMENTATIONS:
         raise ConfigError("optimizer.implementation", f"unknown AdamW implementation '{optimizer.implementation}'",
                           f"use one of {', '.join(ADAMW_IMPLEMENTATIONS)}")

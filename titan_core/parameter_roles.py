@@ -1,0 +1,81 @@
+"""The role each trainable parameter plays in its model, and the optimizer's parameter groups built from them.
+
+A role is read from the model's description, so it holds for every model and every plan: ``embedding`` for
+the parameters of the modules ``inputs`` names, ``output`` for the weight of the ``logits`` linear, ``bias``
+for biases, ``norm`` for every other parameter of fewer than two dimensions (norm scales and gains), and
+``matrix`` for the rest (attention and MLP weights, 3-D expert stacks, adapters). ``optimizer.no_weight_decay``
+and ``optimizer.lr_multipliers`` name roles; an optimizer plugin reads them through :func:`parameter_role`
+(Muon takes the matrices, AdamW the rest).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from titan_core.description import ModelDescription, canonical_name
+from titan_core.errors import ConfigError
+
+MATRIX, EMBEDDING, OUTPUT, NORM, BIAS = "matrix", "embedding", "output", "norm", "bias"
+PARAMETER_ROLES = (MATRIX, EMBEDDING, OUTPUT, NORM, BIAS)
+
+
+def parameter_role(description: ModelDescription, name: str, param: nn.Parameter) -> str:
+    """The role of the parameter called ``name`` (as ``named_parameters`` of a model part gives it)."""
+    name = canonical_name(name)
+    if description.logits is not None and name == f"{description.logits}.weight":
+        return OUTPUT
+    if any(name.startswith(f"{path}.") for path in description.inputs or ()):
+        return EMBEDDING
+    if name.rpartition(".")[2] == "bias":
+        return BIAS
+    return NORM if param.ndim < 2 else MATRIX
+
+
+def param_groups(model_parts: Sequence[nn.Module], description: ModelDescription, lr: float, weight_decay: float,
+                 no_weight_decay: Sequence[str], lr_multipliers: Mapping[str, float]) -> list[dict]:
+    """The trainable parameters of ``model_parts`` in one group per (learning rate, weight decay) their roles
+    give, for ``torch.optim.Optimizer(groups, ...)``.
+
+    Each group holds ``params``, ``lr`` (``lr`` times its multiplier), ``weight_decay``, ``lr_multiplier`` and
+    ``roles`` (the roles it holds); the group of multiplier 1 comes first, so ``param_groups[0]`` runs at the
+    scheduled ``optimizer.lr`` whenever some group does.
+    """
+    groups: dict[tuple[float, float], dict] = {}
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            if not param.requires_grad:
+                continue
+            role = parameter_role(description, name, param)
+            multiplier = float(lr_multipliers.get(role, 1.0))
+            decay = 0.0 if role in no_weight_decay else weight_decay
+            group = groups.setdefault((multiplier, decay), {"params": [], "lr": lr * multiplier, "weight_decay": decay,
+                                                            "lr_multiplier": multiplier, "roles": []})
+            group["params"].append(param)
+            if role not in group["roles"]:
+                group["roles"].append(role)
+    return sorted(groups.values(), key=lambda g: (g["lr_multiplier"] != 1.0, -g["weight_decay"], g["lr_multiplier"]))
+
+
+def check_param_group_rules(no_weight_decay, lr_multipliers) -> None:
+    """Refuse a role that does not exist and a multiplier that is not a positive number, naming the field."""
+    known = ", ".join(PARAMETER_ROLES)
+    if not isinstance(no_weight_decay, Sequence) or isinstance(no_weight_decay, str):
+        raise ConfigError("optimizer.no_weight_decay", f"{no_weight_decay!r} is not a list of roles",
+                          f"set a list of some of {known}, such as [norm, bias]")
+    for role in no_weight_decay:
+        if role not in PARAMETER_ROLES:
+            raise ConfigError("optimizer.no_weight_decay", f"'{role}' is not a parameter role", f"use some of {known}")
+    if not isinstance(lr_multipliers, Mapping):
+        raise ConfigError("optimizer.lr_multipliers", f"{lr_multipliers!r} is not a mapping of roles to factors",
+                          "set {role: factor}, such as {embedding: 10}")
+    for role, factor in lr_multipliers.items():
+        if role not in PARAMETER_ROLES:
+            raise ConfigError(f"optimizer.lr_multipliers.{role}", f"'{role}' is not a parameter role",
+                              f"use some of {known}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor)
+                                                                                          and factor > 0):
+            raise ConfigError(f"optimizer.lr_multipliers.{role}", f"{factor!r} is not a positive number",
+                              "set a factor of optimizer.lr greater than 0")
