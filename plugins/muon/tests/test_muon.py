@@ -1,0 +1,123 @@
+"""Muon against torch's: one process step for step, expert stacks one matrix at a time, every plan as one
+process, options refused in one line."""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from titan_core import parameter_role
+from titan_core import model_description
+from titan_core.testing import TINY, built_model, compare, compose, config_error, run_job
+from titan_muon.optimizer import MuonWithAdamW, NewtonSchulz
+from titan_muon.plugin import MuonPlugin
+
+STEPS = 10
+TORCH_NEWTON_SCHULZ = NewtonSchulz((3.4445, -4.775, 2.0315), 5, 1e-7, torch.bfloat16)
+
+
+def random_grads(params, step):
+    generator = torch.Generator().manual_seed(step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def test_one_process_steps_as_torch_muon_and_adamw_on_the_same_groups():
+    overrides = ("model=tiny", "+plugins=[muon]", "optimizer.lr=0.02", "optimizer.weight_decay=0.1")
+    config = compose(*overrides)
+    description = model_description(config, 256)
+    ours, theirs = built_model(*overrides), built_model(*overrides)
+    optimizer = MuonPlugin().build_optimizer(model_parts=[ours], config=config, plugin_config=config.plugins.muon,
+                                plan=types.SimpleNamespace(model=description))
+    roles = {name: parameter_role(description, name, p) for name, p in theirs.named_parameters()}
+    named = dict(theirs.named_parameters())
+    muon = torch.optim.Muon([named[n] for n, r in roles.items() if r == "matrix"], lr=0.02, weight_decay=0.1)
+    adamw = torch.optim.AdamW([{"params": [named[n] for n, r in roles.items() if r in ("embedding", "output")]},
+                               {"params": [named[n] for n, r in roles.items() if r == "norm"], "weight_decay": 0.0}],
+                              lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    assert {r for r in roles.values()} == {"matrix", "embedding", "output", "norm"}
+    for step in range(STEPS):
+        random_grads(ours.parameters(), step)
+        random_grads(theirs.parameters(), step)
+        optimizer.step()
+        muon.step()
+        adamw.step()
+    worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    moved = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), built_model(*overrides).parameters()))
+    print(f"after {STEPS} steps: max weight difference to torch's Muon + AdamW {worst:.1e}; the weights moved {moved:.2f}")
+    assert worst <= 1e-6 and moved > 0.1
+    slots = {roles[name]: set(optimizer.state[p]) for name, p in ours.named_parameters()}
+    assert slots["matrix"] == {"momentum_buffer"} and slots["norm"] == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_an_expert_stack_is_orthogonalised_one_expert_at_a_time():
+    torch.manual_seed(0)
+    stack = torch.nn.Parameter(torch.randn(4, 6, 3))
+    experts = [torch.nn.Parameter(matrix.detach().clone()) for matrix in stack]
+    ours = MuonWithAdamW([{"params": [stack], "muon": True, "momentum": 0.95, "nesterov": True,
+                           "adjust_lr": "original"}], TORCH_NEWTON_SCHULZ, lr=0.02, weight_decay=0.1)
+    theirs = torch.optim.Muon(experts, lr=0.02, weight_decay=0.1)
+    for step in range(3):
+        random_grads([stack], step)
+        for expert, grad in zip(experts, stack.grad):
+            expert.grad = grad.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(stack.detach(), torch.stack([e.detach() for e in experts]))
+
+
+@pytest.mark.parametrize("override, line", [
+    ("plugins.muon.momentum=1.0", "plugins.muon.momentum: 1.0 is not a number in [0, 1); fix: set "
+                                  "plugins.muon.momentum to a number in [0, 1)"),
+    ("plugins.muon.adjust_lr=moonlight", "plugins.muon.adjust_lr: 'moonlight' is not one of original, "
+                                         "match_rms_adamw; fix: set plugins.muon.adjust_lr to one of original, "
+                                         "match_rms_adamw"),
+    ("optimizer.state_dtype=bfloat16", "optimizer.state_dtype: bfloat16 AdamW states are the core's AdamW's; "
+                                       "muon's AdamW keeps float32 ones; fix: set optimizer.state_dtype=float32"),
+])
+def test_a_bad_option_is_one_line(override, line):
+    assert str(config_error("+plugins=[muon]", override)) == line
+
+
+OPTIONS = ("optimizer.lr=0.01", "plugins.muon.ns_dtype=float32")
+
+
+MOE = ("model=qwen3_moe_tiny",)
+# The busiest rank's share of the Newton–Schulz work: matrices go to owners in turn, so it is about 1 / ranks.
+SPREAD = {"fsdp": 0.6, "tp": 0.6, "fsdp,tp": 0.35, "pp": 0.6, "fsdp,ep": 0.6}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugins, plan", [
+    ("fsdp", ("plugins.fsdp.degree=2",)),
+    ("tp", ("plugins.tp.degree=2",)),
+    ("fsdp,tp", ("plugins.fsdp.degree=2", "plugins.tp.degree=2")),
+    ("pp", ("plugins.pp.degree=2",)),
+    ("fsdp,ep", (*MOE, "plugins.fsdp.degree=2", "plugins.ep.degree=2")),
+], ids=["fsdp2", "tp2", "fsdp2-tp2", "pp2", "moe-ep2-fsdp2"])
+def test_every_plan_equals_one_process(titan_reference, tmp_path, plugins, plan):
+    model = [o for o in plan if o.startswith("model=")]
+    result = run_job([*TINY, f"+plugins=[{plugins},muon]", *OPTIONS, *plan], tmp_path)
+    report = compare(result, titan_reference((*model, "+plugins=[muon]", *OPTIONS)))
+    share = result.metrics[-1]["muon_ns_busiest_share"]
+    print(f"muon under {plugins}: {report}; the busiest rank orthogonalised {share:.2f} of the matrices")
+    assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+    assert titan_reference((*model, "+plugins=[muon]", *OPTIONS)).metrics[-1]["muon_ns_busiest_share"] == 1.0
+    assert share <= SPREAD[plugins], share  # one rank doing every matrix would show 1.0
+
+
+@pytest.mark.slow
+def test_saved_under_fsdp_and_tp_resumes_in_one_process_as_it_would_have_gone_on(titan_reference, tmp_path):
+    """The momentum buffers are checkpointed sharded as their matrices and resharded on load."""
+    run_job([*TINY, "+plugins=[fsdp,tp,checkpoint,muon]", *OPTIONS, "plugins.fsdp.degree=2", "plugins.tp.degree=2",
+             "plugins.checkpoint.interval=3"], tmp_path / "sharded")
+    step_3 = tmp_path / "sharded" / "checkpoints" / "step-3"
+    saved = FileSystemReader(str(step_3)).read_metadata().state_dict_metadata
+    assert "optimizer.layers.0.attention.wq.weight.momentum_buffer" in saved
+    resumed = run_job([*TINY, "+plugins=[checkpoint,muon]", *OPTIONS, f"plugins.checkpoint.load_path={step_3}"],
+                      tmp_path / "resumed")
+    report = compare(resumed, dataclasses.replace(titan_reference(("+plugins=[muon]", *OPTIONS)), after_step=3))
+    print(f"muon resumed from fsdp 2 x tp 2 in one process: {report}")
+    assert len(report.losses) == 2 and report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report

@@ -1,0 +1,127 @@
+"""Muon as titan-core's optimizer: the ``matrix`` parameters (attention and MLP weights, expert stacks, adapters)
+step by Muon, the embeddings, the output layer, norms and biases by AdamW, as Moonlight's recipe does.
+
+Both follow the core's parameter groups (``optimizer.no_weight_decay``, ``optimizer.lr_multipliers``); AdamW
+takes ``optimizer.*`` as the core's does, Muon its own options (docs/plugins/muon.md). Any plan that holds the
+matrices as DTensors (fsdp, tp, their stacks, pipeline stages) works unchanged: each matrix is made whole,
+orthogonalised by one rank of its mesh and sent back (:mod:`titan_muon.optimizer`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from titan_core import (CP, DP_SHARD, FLOAT_DTYPES, PP, TP, ConfigError, Declaration, Plan, build_meta_model, hookimpl,
+                        param_groups, parameter_role)
+
+from titan_muon.optimizer import MuonWithAdamW, NewtonSchulz
+
+FIELD = "plugins.muon"
+ADJUST_LR_RULES = ("original", "match_rms_adamw")
+MATRIX = "matrix"
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def validate_options(config, options) -> None:
+    checks = (
+        ("lr", options.lr is None or _positive(options.lr), "a positive number, or null for optimizer.lr"),
+        ("weight_decay", options.weight_decay is None or _positive(options.weight_decay) or options.weight_decay == 0,
+         "a number >= 0, or null for optimizer.weight_decay"),
+        ("momentum", isinstance(options.momentum, (int, float)) and 0 <= options.momentum < 1, "a number in [0, 1)"),
+        ("ns_steps", isinstance(options.ns_steps, int) and 1 <= options.ns_steps < 100, "an integer from 1 to 99"),
+        ("ns_coefficients", len(options.ns_coefficients) == 3 and all(
+            isinstance(c, (int, float)) for c in options.ns_coefficients), "three numbers (a, b, c)"),
+        ("eps", _positive(options.eps), "a positive number"),
+        ("adjust_lr", options.adjust_lr in ADJUST_LR_RULES, f"one of {', '.join(ADJUST_LR_RULES)}"),
+        ("ns_dtype", options.ns_dtype in ("bfloat16", "float32"), "bfloat16 or float32"),
+    )
+    for name, acceptable, what in checks:
+        if not acceptable:
+            raise ConfigError(f"{FIELD}.{name}", f"{options[name]!r} is not {what}", f"set {FIELD}.{name} to {what}")
+    if config.optimizer.state_dtype != "float32":
+        raise ConfigError("optimizer.state_dtype", f"{config.optimizer.state_dtype} AdamW states are the core's "
+                          "AdamW's; muon's AdamW keeps float32 ones", "set optimizer.state_dtype=float32")
+
+
+def muon_groups(model_parts, config, options, plan: Plan) -> list[dict]:
+    """The core's parameter groups, each split in two: its matrices in a Muon group, the rest as they were."""
+    opt = config.optimizer
+    names = {param: name for part in model_parts for name, param in part.named_parameters()}
+    groups = []
+    for group in param_groups(model_parts, plan.model, opt.lr, opt.weight_decay, opt.no_weight_decay,
+                              opt.lr_multipliers):
+        is_matrix = [parameter_role(plan.model, names[p], p) == MATRIX for p in group["params"]]
+        muon = {**group, "params": [p for p, matrix in zip(group["params"], is_matrix) if matrix], "roles": [MATRIX],
+                "muon": True, "momentum": options.momentum, "nesterov": options.nesterov, "adjust_lr": options.adjust_lr}
+        if options.lr is not None:
+            muon["lr_multiplier"] = group["lr_multiplier"] * options.lr / opt.lr
+            muon["lr"] = opt.lr * muon["lr_multiplier"]
+        if options.weight_decay is not None and group["weight_decay"]:
+            muon["weight_decay"] = options.weight_decay
+        rest = {**group, "params": [p for p, matrix in zip(group["params"], is_matrix) if not matrix],
+                "roles": [role for role in group["roles"] if role != MATRIX]}
+        groups += [g for g in (muon, rest) if g["params"]]
+    return groups
+
+
+class MuonPlugin:
+    """The run's Muon optimizer, kept to report how the Newton–Schulz work spread over the ranks."""
+
+    def __init__(self):
+        self.optimizer: MuonWithAdamW | None = None
+
+    @hookimpl
+    def declare(self):
+        """muon: no model transform and no mesh dimension: an optimizer over whatever the plan built."""
+        return Declaration()
+
+    @hookimpl
+    def validate(self, config, plugin_config):
+        """muon: its numbers, the Newton–Schulz dtype, and AdamW states it can keep (float32)."""
+        validate_options(config, plugin_config)
+
+    @hookimpl
+    def estimate_costs(self, estimate, config, plan):
+        """muon: one float32 momentum per matrix element, AdamW's two moments for the rest; the matrices' updates
+        gathered and their orthogonalisations broadcast over the ranks that split them."""
+        model = build_meta_model(config, plan.model)
+        roles = [(parameter_role(plan.model, name, p), p.numel()) for name, p in model.named_parameters()]
+        matrix_share = sum(n for role, n in roles if role == MATRIX) / sum(n for _, n in roles)
+        estimate.optimizer_state_bytes = 4 * matrix_share + 8 * (1 - matrix_share)
+        ranks = plan.degree(DP_SHARD) * plan.degree(CP) * plan.degree(TP)
+        if ranks > 1:
+            matrices = sum(role == MATRIX for role, _ in roles) / plan.degree(PP)
+
+            def matrix_bytes(e):
+                return e.held_params() * matrix_share * 4 * (ranks - 1) / ranks
+
+            estimate.add_collective("all-gather of the Muon updates", (DP_SHARD, CP, TP), matrix_bytes,
+                                    overlapped=False, plugin="muon", calls=matrices)
+            estimate.add_collective("broadcast of the orthogonalised matrices", (DP_SHARD, CP, TP),
+                                    lambda e: matrix_bytes(e) / ranks, overlapped=False, plugin="muon", calls=matrices)
+
+    @hookimpl
+    def build_optimizer(self, model_parts, config, plugin_config, plan: Plan):
+        """muon: Muon for the matrices, torch's AdamW for the rest, in the core's parameter groups."""
+        opt = config.optimizer
+        newton_schulz = NewtonSchulz(tuple(plugin_config.ns_coefficients), plugin_config.ns_steps, plugin_config.eps,
+                                     FLOAT_DTYPES[plugin_config.ns_dtype])
+        self.optimizer = MuonWithAdamW(muon_groups(model_parts, config, plugin_config, plan), newton_schulz,
+                                       lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                                       fused=opt.implementation == "fused", foreach=opt.implementation in (None, "foreach"))
+        return self.optimizer
+
+    @hookimpl
+    def step_metrics(self, mesh):
+        """muon: the busiest rank's share of the step's Newton–Schulz work (1 in one process, 1/ranks when even)."""
+        work = torch.full((2,), float(self.optimizer.newton_schulz.elements), device=mesh.device_type)
+        if dist.is_initialized():
+            dist.all_reduce(work[:1], op=dist.ReduceOp.MAX)
+            dist.all_reduce(work[1:])
+        return {"muon_ns_busiest_share": work[0].item() / max(work[1].item(), 1.0)}
