@@ -27,19 +27,20 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 class NewtonSchulz:
     """The orthogonalisation torch's Muon applies: ``steps`` quintic iterations with ``coefficients`` (a, b, c),
     in ``dtype``, after scaling the matrix to a Frobenius norm of at most 1 (``eps`` guards a zero matrix).
-    ``elements`` counts the matrix elements it orthogonalised, the measure of this rank's share of the work."""
+    ``flops`` counts the multiply-adds (x2) of the matrices it orthogonalised: this rank's share of the work."""
 
     coefficients: tuple[float, float, float]
     steps: int
     eps: float
     dtype: torch.dtype
-    elements: int = 0
+    flops: int = 0
 
     def __call__(self, update: torch.Tensor) -> torch.Tensor:
         if update.ndim == 3:  # an expert stack: each expert's matrix is a matrix of its own (a rank may hold none)
             return torch.stack([self(matrix) for matrix in update]) if len(update) else update.to(self.dtype)
         a, b, c = self.coefficients
-        self.elements += update.numel()
+        small, large = sorted(update.shape)
+        self.flops += self.steps * (4 * small * small * large + 2 * small**3)  # two Gram products and the cube
         x = update.to(self.dtype)
         tall = x.size(0) > x.size(1)
         if tall:  # iterate on the smaller Gram matrix
@@ -71,14 +72,15 @@ def broadcast_from(tensor: torch.Tensor, mesh, owner: tuple[int, ...]) -> None:
             dist.broadcast(tensor, group=mesh.get_group(dim), group_src=owner[dim])
 
 
-def orthogonalized(update: torch.Tensor, index: int, newton_schulz: NewtonSchulz) -> torch.Tensor:
-    """This rank's piece of ``newton_schulz`` of the whole matrix ``update``. A DTensor is gathered, orthogonalised
-    by the ``index``-th matrix's owner and broadcast, but for an expert stack split only by expert (expert
-    parallel, FSDP's dim-0 shards), whose every rank holds whole experts and orthogonalises its own."""
+def orthogonalized(update: torch.Tensor, index: int, newton_schulz: NewtonSchulz) -> tuple[torch.Tensor, int]:
+    """This rank's piece of ``newton_schulz`` of the whole matrix ``update``, and the bytes this rank received for it.
+    A DTensor is gathered, orthogonalised by the ``index``-th matrix's owner and broadcast, but for an expert stack
+    split only by expert (expert parallel, FSDP's dim-0 shards), whose every rank holds whole experts and
+    orthogonalises its own."""
     if not isinstance(update, DTensor):
-        return newton_schulz(update)
+        return newton_schulz(update), 0
     if update.ndim == 3 and all(placement.is_shard(0) for placement in update.placements):
-        return newton_schulz(update.to_local())
+        return newton_schulz(update.to_local()), 0
     mesh = update.device_mesh
     whole = update.full_tensor()
     owner = tuple(int(c) for c in torch.unravel_index(torch.tensor(index % mesh.size()), tuple(mesh.shape)))
@@ -86,21 +88,26 @@ def orthogonalized(update: torch.Tensor, index: int, newton_schulz: NewtonSchulz
         result = newton_schulz(whole).contiguous()  # a tall matrix comes back transposed; collectives send storage
     else:
         result = torch.empty_like(whole, dtype=newton_schulz.dtype)
+    received = (whole.numel() - update.to_local().numel()) * whole.element_size()
+    received += 0 if tuple(mesh.get_coordinate()) == owner else result.numel() * result.element_size()
     broadcast_from(result, mesh, owner)
-    return distribute_tensor(result, mesh, update.placements, src_data_rank=None).to_local()
+    return distribute_tensor(result, mesh, update.placements, src_data_rank=None).to_local(), received
 
 
 class MuonWithAdamW(torch.optim.AdamW):
     """torch's AdamW whose groups marked ``muon`` (matrices: 2-D, or 3-D expert stacks) step by Muon instead.
 
     A Muon group holds ``momentum``, ``nesterov`` and ``adjust_lr`` besides AdamW's keys; its parameters keep one
-    state, ``momentum_buffer`` (shaped and sharded as the parameter, so checkpoints save and reshard it), and the
-    others AdamW's. ``newton_schulz`` orthogonalises every Muon update.
+    state, ``momentum_buffer`` (shaped and sharded as the parameter, so checkpoints save and reshard it; stored in
+    ``momentum_dtype``, updated in the gradient's), and the others AdamW's. ``newton_schulz`` orthogonalises every
+    Muon update and counts its work.
     """
 
-    def __init__(self, groups: list[dict], newton_schulz: NewtonSchulz, **adamw):
+    def __init__(self, groups: list[dict], newton_schulz: NewtonSchulz, momentum_dtype: torch.dtype = torch.float32,
+                 **adamw):
         super().__init__(groups, **adamw)
-        self.newton_schulz = newton_schulz
+        self.newton_schulz, self.momentum_dtype = newton_schulz, momentum_dtype
+        self.received_bytes = 0  # by this rank in the last step, for the matrices' gathers and broadcasts
         bad = [tuple(p.shape) for group in self.param_groups if group.get("muon") for p in group["params"]
                if p.ndim not in (2, 3)]
         if bad:
@@ -110,7 +117,7 @@ class MuonWithAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:  # the loss would have to be taken before the matrices step, AdamW's after
             raise ValueError("MuonWithAdamW.step takes no closure")
-        index, self.newton_schulz.elements = 0, 0
+        index, self.newton_schulz.flops, self.received_bytes = 0, 0, 0
         for group in self.param_groups:
             if not group.get("muon"):
                 continue
@@ -128,11 +135,14 @@ class MuonWithAdamW(torch.optim.AdamW):
     def _muon_step(self, param: torch.Tensor, group: dict, index: int) -> None:
         state = self.state[param]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param.grad)
-        momentum, buffer = group["momentum"], state["momentum_buffer"]
-        buffer.lerp_(param.grad, 1 - momentum)
+            state["momentum_buffer"] = torch.zeros_like(param.grad, dtype=self.momentum_dtype)
+        momentum, stored = group["momentum"], state["momentum_buffer"]
+        buffer = stored.to(param.grad.dtype).lerp_(param.grad, 1 - momentum)  # the stored one unless it is narrower
+        if buffer is not stored:
+            stored.copy_(buffer)
         update = param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
         local = param.to_local() if isinstance(param, DTensor) else param
         local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(orthogonalized(update, index, self.newton_schulz),
-                   alpha=-adjusted_lr(group["lr"], param.shape, group["adjust_lr"]))
+        orthogonal, received = orthogonalized(update, index, self.newton_schulz)
+        self.received_bytes += received
+        local.add_(orthogonal, alpha=-adjusted_lr(group["lr"], param.shape, group["adjust_lr"]))

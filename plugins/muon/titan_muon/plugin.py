@@ -40,6 +40,7 @@ def validate_options(config, options) -> None:
         ("eps", _positive(options.eps), "a positive number"),
         ("adjust_lr", options.adjust_lr in ADJUST_LR_RULES, f"one of {', '.join(ADJUST_LR_RULES)}"),
         ("ns_dtype", options.ns_dtype in ("bfloat16", "float32"), "bfloat16 or float32"),
+        ("momentum_dtype", options.momentum_dtype in ("bfloat16", "float32"), "bfloat16 or float32"),
     )
     for name, acceptable, what in checks:
         if not acceptable:
@@ -87,13 +88,14 @@ class MuonPlugin:
         validate_options(config, plugin_config)
 
     @hookimpl
-    def estimate_costs(self, estimate, config, plan):
-        """muon: one float32 momentum per matrix element, AdamW's two moments for the rest; the matrices' updates
+    def estimate_costs(self, estimate, config, plugin_config, plan):
+        """muon: one momentum per matrix element, AdamW's two float32 moments for the rest; the matrices' updates
         gathered and their orthogonalisations broadcast over the ranks that split them."""
         model = build_meta_model(config, plan.model)
         roles = [(parameter_role(plan.model, name, p), p.numel()) for name, p in model.named_parameters()]
         matrix_share = sum(n for role, n in roles if role == MATRIX) / sum(n for _, n in roles)
-        estimate.optimizer_state_bytes = 4 * matrix_share + 8 * (1 - matrix_share)
+        momentum_bytes = FLOAT_DTYPES[plugin_config.momentum_dtype].itemsize
+        estimate.optimizer_state_bytes = momentum_bytes * matrix_share + 8 * (1 - matrix_share)
         ranks = plan.degree(DP_SHARD) * plan.degree(CP) * plan.degree(TP)
         if ranks > 1:
             matrices = sum(role == MATRIX for role, _ in roles) / plan.degree(PP)
@@ -113,15 +115,19 @@ class MuonPlugin:
         newton_schulz = NewtonSchulz(tuple(plugin_config.ns_coefficients), plugin_config.ns_steps, plugin_config.eps,
                                      FLOAT_DTYPES[plugin_config.ns_dtype])
         self.optimizer = MuonWithAdamW(muon_groups(model_parts, config, plugin_config, plan), newton_schulz,
-                                       lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                                       FLOAT_DTYPES[plugin_config.momentum_dtype], lr=opt.lr, betas=tuple(opt.betas),
+                                       eps=opt.eps, weight_decay=opt.weight_decay,
                                        fused=opt.implementation == "fused", foreach=opt.implementation in (None, "foreach"))
         return self.optimizer
 
     @hookimpl
     def step_metrics(self, mesh):
-        """muon: the busiest rank's share of the step's Newton–Schulz work (1 in one process, 1/ranks when even)."""
-        work = torch.full((2,), float(self.optimizer.newton_schulz.elements), device=mesh.device_type)
+        """muon: how the step's Newton–Schulz work spread over the ranks, and the busiest rank's traffic for it."""
+        flops, received = float(self.optimizer.newton_schulz.flops), float(self.optimizer.received_bytes)
+        busiest = torch.tensor([flops, received], device=mesh.device_type)
+        total = torch.tensor([flops], device=mesh.device_type)
         if dist.is_initialized():
-            dist.all_reduce(work[:1], op=dist.ReduceOp.MAX)
-            dist.all_reduce(work[1:])
-        return {"muon_ns_busiest_share": work[0].item() / max(work[1].item(), 1.0)}
+            dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(total)
+        return {"muon_ns_busiest_share": busiest[0].item() / max(total.item(), 1.0),
+                "muon_ns_gflop_busiest": busiest[0].item() / 1e9, "muon_received_mib_busiest": busiest[1].item() / 2**20}
