@@ -115,6 +115,10 @@ PLUGIN_BAD = {
     "plugins.lora.rank": "0", "plugins.lora.alpha": "0", "plugins.lora.dropout": "1.0", "plugins.lora.rslora": "1",
     "plugins.lora.targets": ("[attn]", "[]"), "plugins.lora.init_from": ("/nonexistent/adapter", "7"),
     "plugins.lora.export": "2",
+    "plugins.muon.lr": "0", "plugins.muon.weight_decay": "-1", "plugins.muon.momentum": "1.0",
+    "plugins.muon.nesterov": "1", "plugins.muon.adjust_lr": "moonlight", "plugins.muon.ns_steps": ("0", "2.5"),
+    "plugins.muon.ns_coefficients": "[1,2]", "plugins.muon.ns_dtype": "float16", "plugins.muon.eps": "0",
+    "plugins.muon.momentum_dtype": "int8",
     "plugins.sft.path": ("/nonexistent/chat.jsonl", str(SFT_DATA / "chatml.jinja")), "plugins.sft.name": "7",
     "plugins.sft.split": "7", "plugins.sft.messages_field": ("7", "conversation"),
     "plugins.sft.chat_template": ("/nonexistent/template.jinja", "7"), "plugins.sft.packing": "1",
@@ -210,6 +214,8 @@ CORE_BAD = {
     "launch.check_memory": ["launch.check_memory=1"], "lr_scheduler.decay_steps": ["lr_scheduler.decay_steps=100000"],
     "lr_scheduler.decay_shape": ["lr_scheduler.decay_shape=exp"], "data.damaged": ["data.damaged=ignore"],
     "training.compute_dtype": ["training.compute_dtype=float16"],
+    "optimizer.no_weight_decay": ["optimizer.no_weight_decay=[norms]"],
+    "optimizer.lr_multipliers": ["optimizer.lr_multipliers=7"],
 }
 # Read only with data.source=hub, where the Hub judges it (offline, the data.path line names the dataset).
 HUB_ONLY = {"data.name", "validation.name"}

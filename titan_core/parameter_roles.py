@@ -70,7 +70,7 @@ def check_param_group_rules(no_weight_decay, lr_multipliers) -> None:
             raise ConfigError("optimizer.no_weight_decay", f"'{role}' is not a parameter role", f"use some of {known}")
     if not isinstance(lr_multipliers, Mapping):
         raise ConfigError("optimizer.lr_multipliers", f"{lr_multipliers!r} is not a mapping of roles to factors",
-                          "set {role: factor}, such as {embedding: 10}")
+                          "set optimizer.lr_multipliers.<role>=<factor>, such as optimizer.lr_multipliers.embedding=10")
     for role, factor in lr_multipliers.items():
         if role not in PARAMETER_ROLES:
             raise ConfigError(f"optimizer.lr_multipliers.{role}", f"'{role}' is not a parameter role",

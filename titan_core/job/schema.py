@@ -86,6 +86,8 @@ def _kind(default) -> str:
         return "a number"
     if isinstance(default, str):
         return "a string"
+    if isinstance(default, dict):
+        return "a mapping"
     item = f" of {_kind(default[0]).split(' ', 1)[1]}s" if default and not isinstance(default[0], bool) else ""
     return f"a list{item}"
 
@@ -96,6 +98,8 @@ def _show(value) -> str:
         return str(value).lower()
     if isinstance(value, list):
         return f"[{','.join(map(_show, value[:2]))}{',...' if len(value) > 2 else ''}]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_show(v)}" for k, v in list(value.items())[:2]) + (",...}" if len(value) > 2 else "}")
     return str(value)
 
 
@@ -110,7 +114,7 @@ def _fits(value, default) -> bool:
         return isinstance(value, str)
     if isinstance(default, list):
         return isinstance(value, list) and (not default or all(_fits(v, default[0]) for v in value))
-    return True
+    return isinstance(value, dict)  # a mapping: checked key by key
 
 
 def check_kinds(values: dict, defaults: dict, prefix: str, nullable=()) -> None:
