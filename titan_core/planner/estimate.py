@@ -284,7 +284,7 @@ class Estimate:
         busy = max(compute, hidden) + waited
         total = busy / (1 - self.bubble)
         return {"matmul": matmul, "elementwise": elementwise, "optimizer": optimizer,
-                "host": host if hardware.cores else max(0.0, compute - matmul - elementwise - optimizer),
+                "host": host if hardware.cores else max(0.0, host - (matmul + elementwise + optimizer)),
                 "exposed communication": busy - compute, "pipeline bubble": total - busy, "step": total}
 
     def tokens_per_device(self) -> float:
