@@ -45,8 +45,8 @@ def test_only_the_roles_that_decay_decay_and_multipliers_scale_their_rate():
         for param in model.parameters():
             param.fill_(1.0)
     optimizer = build_optimizer(model_parts=[model], config=config, plan=types.SimpleNamespace(model=description))
-    assert [(g["lr"], g["weight_decay"], sorted(g["roles"])) for g in optimizer.param_groups] == [
-        (0.1, 0.5, ["matrix", "output"]), (0.1, 0.0, ["norm"]), (0.2, 0.5, ["embedding"])]
+    assert [(g["role"], g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [
+        ("matrix", 0.1, 0.5), ("embedding", 0.2, 0.5), ("output", 0.1, 0.5), ("norm", 0.1, 0.0)]
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizer.step()

@@ -13,10 +13,11 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_core.errors import ConfigError
-from titan_core.plugins import Registry, build_plan
+from titan_core.parameter_roles import parameter_role
+from titan_core.plugins import Registry, build_meta_model, build_plan
 from titan_core.planner.cli import job_estimate
 from titan_core.planner.costs import estimate
-from titan_core.planner.estimate import GIB
+from titan_core.planner.estimate import GIB, evaluated
 from titan_core.planner.hardware import Hardware, hardware_profile
 from titan_core.testing import compose, install_plugins
 
@@ -479,3 +480,17 @@ def test_a_plugin_that_freezes_the_model_is_counted_with_its_trained_share():
     assert adapted.memory()["optimizer"] == pytest.approx(8 * 16_384)
     adapted.trained_share = 1.0  # the whole model trained, as without lora
     assert adapted.memory()["optimizer"] > 8 * 16_384 * 10
+
+
+def test_an_optimizer_plugin_is_counted_with_its_state_and_its_collectives():
+    """muon keeps one float32 momentum per matrix element and AdamW's two moments for the rest, and gathers and
+    broadcasts the matrices over the ranks that split them: under fsdp 4 each rank receives the 3/4 of every matrix
+    it does not hold as float32, and of 3/4 of them the result as bfloat16."""
+    config, registry, plan, muon = _estimate("+plugins=[fsdp,muon]", "plugins.fsdp.degree=4")
+    model = build_meta_model(config, plan.model)
+    matrices = sum(p.numel() for n, p in model.named_parameters() if parameter_role(plan.model, n, p) == "matrix")
+    share = matrices / sum(p.numel() for p in model.parameters())
+    assert muon.optimizer_state_bytes == pytest.approx(4 * share + 8 * (1 - share)) and 4 < muon.optimizer_state_bytes < 8
+    sent = {c.name: evaluated(c.bytes, muon) for c in muon.collectives if c.plugin == "muon"}
+    assert sent == pytest.approx({"all-gather of the Muon updates": matrices * 4 * 3 / 4,
+                                  "broadcast of the orthogonalised matrices": matrices * 2 * 3 / 4})

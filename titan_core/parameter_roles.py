@@ -36,46 +36,34 @@ def parameter_role(description: ModelDescription, name: str, param: nn.Parameter
 
 def param_groups(model_parts: Sequence[nn.Module], description: ModelDescription, lr: float, weight_decay: float,
                  no_weight_decay: Sequence[str], lr_multipliers: Mapping[str, float]) -> list[dict]:
-    """The trainable parameters of ``model_parts`` in one group per (learning rate, weight decay) their roles
-    give, for ``torch.optim.Optimizer(groups, ...)``.
+    """The trainable parameters of ``model_parts`` in one group per role, in ``PARAMETER_ROLES`` order (roles
+    without parameters left out), for ``torch.optim.Optimizer(groups, ...)``.
 
-    Each group holds ``params``, ``lr`` (``lr`` times its multiplier), ``weight_decay``, ``lr_multiplier`` and
-    ``roles`` (the roles it holds); the group of multiplier 1 comes first, so ``param_groups[0]`` runs at the
-    scheduled ``optimizer.lr`` whenever some group does.
+    Each group holds ``params``, ``role``, ``lr`` (``lr`` times the role's multiplier), ``lr_multiplier`` (which
+    the logged learning rate is divided by) and ``weight_decay`` (0 for the roles of ``no_weight_decay``).
     """
-    groups: dict[tuple[float, float], dict] = {}
+    by_role: dict[str, list[nn.Parameter]] = {role: [] for role in PARAMETER_ROLES}
     for part in model_parts:
         for name, param in part.named_parameters():
-            if not param.requires_grad:
-                continue
-            role = parameter_role(description, name, param)
-            multiplier = float(lr_multipliers.get(role, 1.0))
-            decay = 0.0 if role in no_weight_decay else weight_decay
-            group = groups.setdefault((multiplier, decay), {"params": [], "lr": lr * multiplier, "weight_decay": decay,
-                                                            "lr_multiplier": multiplier, "roles": []})
-            group["params"].append(param)
-            if role not in group["roles"]:
-                group["roles"].append(role)
-    return sorted(groups.values(), key=lambda g: (g["lr_multiplier"] != 1.0, -g["weight_decay"], g["lr_multiplier"]))
+            if param.requires_grad:
+                by_role[parameter_role(description, name, param)].append(param)
+    return [{"params": params, "role": role, "lr": lr * lr_multipliers.get(role, 1.0),
+             "lr_multiplier": float(lr_multipliers.get(role, 1.0)),
+             "weight_decay": 0.0 if role in no_weight_decay else weight_decay}
+            for role, params in by_role.items() if params]
 
 
 def check_param_group_rules(no_weight_decay, lr_multipliers) -> None:
-    """Refuse a role that does not exist and a multiplier that is not a positive number, naming the field."""
+    """Refuse a role that does not exist and a multiplier that is not a positive number, naming the field (the
+    schema has already refused values of another kind)."""
     known = ", ".join(PARAMETER_ROLES)
-    if not isinstance(no_weight_decay, Sequence) or isinstance(no_weight_decay, str):
-        raise ConfigError("optimizer.no_weight_decay", f"{no_weight_decay!r} is not a list of roles",
-                          f"set a list of some of {known}, such as [norm, bias]")
     for role in no_weight_decay:
         if role not in PARAMETER_ROLES:
             raise ConfigError("optimizer.no_weight_decay", f"'{role}' is not a parameter role", f"use some of {known}")
-    if not isinstance(lr_multipliers, Mapping):
-        raise ConfigError("optimizer.lr_multipliers", f"{lr_multipliers!r} is not a mapping of roles to factors",
-                          "set optimizer.lr_multipliers.<role>=<factor>, such as optimizer.lr_multipliers.embedding=10")
     for role, factor in lr_multipliers.items():
         if role not in PARAMETER_ROLES:
             raise ConfigError(f"optimizer.lr_multipliers.{role}", f"'{role}' is not a parameter role",
                               f"use some of {known}")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor)
-                                                                                          and factor > 0):
+        if not (math.isfinite(factor) and factor > 0):
             raise ConfigError(f"optimizer.lr_multipliers.{role}", f"{factor!r} is not a positive number",
                               "set a factor of optimizer.lr greater than 0")

@@ -21,7 +21,7 @@ from titan_muon.optimizer import MuonWithAdamW, NewtonSchulz
 
 FIELD = "plugins.muon"
 ADJUST_LR_RULES = ("original", "match_rms_adamw")
-MATRIX = "matrix"
+MATRIX = "matrix"  # the parameter role Muon steps (docs/config.md)
 
 
 def _positive(value) -> bool:
@@ -51,23 +51,17 @@ def validate_options(config, options) -> None:
 
 
 def muon_groups(model_parts, config, options, plan: Plan) -> list[dict]:
-    """The core's parameter groups, each split in two: its matrices in a Muon group, the rest as they were."""
+    """The core's groups by role, the matrices' marked for Muon with its options (and its rate, when set)."""
     opt = config.optimizer
-    names = {param: name for part in model_parts for name, param in part.named_parameters()}
-    groups = []
-    for group in param_groups(model_parts, plan.model, opt.lr, opt.weight_decay, opt.no_weight_decay,
-                              opt.lr_multipliers):
-        is_matrix = [parameter_role(plan.model, names[p], p) == MATRIX for p in group["params"]]
-        muon = {**group, "params": [p for p, matrix in zip(group["params"], is_matrix) if matrix], "roles": [MATRIX],
-                "muon": True, "momentum": options.momentum, "nesterov": options.nesterov, "adjust_lr": options.adjust_lr}
-        if options.lr is not None:
-            muon["lr_multiplier"] = group["lr_multiplier"] * options.lr / opt.lr
-            muon["lr"] = opt.lr * muon["lr_multiplier"]
-        if options.weight_decay is not None and group["weight_decay"]:
-            muon["weight_decay"] = options.weight_decay
-        rest = {**group, "params": [p for p, matrix in zip(group["params"], is_matrix) if not matrix],
-                "roles": [role for role in group["roles"] if role != MATRIX]}
-        groups += [g for g in (muon, rest) if g["params"]]
+    groups = param_groups(model_parts, plan.model, opt.lr, opt.weight_decay, opt.no_weight_decay, opt.lr_multipliers)
+    for group in groups:
+        if group["role"] == MATRIX:
+            group.update(muon=True, momentum=options.momentum, nesterov=options.nesterov, adjust_lr=options.adjust_lr)
+            if options.lr is not None:
+                group["lr_multiplier"] *= options.lr / opt.lr
+                group["lr"] = opt.lr * group["lr_multiplier"]
+            if options.weight_decay is not None and group["weight_decay"]:
+                group["weight_decay"] = options.weight_decay
     return groups
 
 
@@ -100,13 +94,14 @@ class MuonPlugin:
         if ranks > 1:
             matrices = sum(role == MATRIX for role, _ in roles) / plan.degree(PP)
 
-            def matrix_bytes(e):
-                return e.held_params() * matrix_share * 4 * (ranks - 1) / ranks
+            def received(bytes_per_element):  # every matrix this rank holds a piece of, but for its own piece
+                return lambda e: e.held_params() * matrix_share * bytes_per_element * (ranks - 1) / ranks
 
-            estimate.add_collective("all-gather of the Muon updates", (DP_SHARD, CP, TP), matrix_bytes,
+            estimate.add_collective("all-gather of the Muon updates", (DP_SHARD, CP, TP), received(4),
                                     overlapped=False, plugin="muon", calls=matrices)
             estimate.add_collective("broadcast of the orthogonalised matrices", (DP_SHARD, CP, TP),
-                                    lambda e: matrix_bytes(e) / ranks, overlapped=False, plugin="muon", calls=matrices)
+                                    received(FLOAT_DTYPES[plugin_config.ns_dtype].itemsize), overlapped=False,
+                                    plugin="muon", calls=matrices)
 
     @hookimpl
     def build_optimizer(self, model_parts, config, plugin_config, plan: Plan):
