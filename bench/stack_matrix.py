@@ -57,6 +57,8 @@ FACTORS = {
     "checkpoint": [("-", 1, ()), ("save-resume", 1, ("checkpoint", f"plugins.checkpoint.interval={RESUME_STEP}"))],
     "float8": [("-", 1, ()), ("float8-tensorwise", 1, ("float8", "plugins.float8.recipe=tensorwise")),
                ("float8-rowwise", 1, ("float8", "plugins.float8.recipe=rowwise"))],
+    # Changes the training, so the reference takes it too; its float32 Newton-Schulz keeps the 1e-5 comparison.
+    "optimizer": [("-", 1, ()), ("muon", 1, ("muon", "plugins.muon.ns_dtype=float32"))],
 }
 MAX_RANKS = 8
 MODELS_WITHOUT_EXPERTS = {label for label, _, _ in FACTORS["model"]} - {"qwen3-moe"}
@@ -113,9 +115,9 @@ def overrides(row) -> list[str]:
 
 
 def reference_overrides(row) -> tuple[str, ...]:
-    """What the single-process run shares with the stack: the model and its attention mask."""
-    shared = [list(FACTORS).index(name) for name in ("model", "mask")]
-    return tuple(option for i in shared for option in row[i][2])
+    """What the single-process run shares with the stack: the model, its attention mask and the optimizer."""
+    shared = [list(FACTORS).index(name) for name in ("model", "mask", "optimizer")]
+    return tuple(overrides([row[i] for i in shared]))
 
 
 def run_stack(row, workdir: Path, reference) -> tuple[str, float | None]:

@@ -482,15 +482,20 @@ def test_a_plugin_that_freezes_the_model_is_counted_with_its_trained_share():
     assert adapted.memory()["optimizer"] > 8 * 16_384 * 10
 
 
-def test_an_optimizer_plugin_is_counted_with_its_state_and_its_collectives():
-    """muon keeps one float32 momentum per matrix element and AdamW's two moments for the rest, and gathers and
-    broadcasts the matrices over the ranks that split them: under fsdp 4 each rank receives the 3/4 of every matrix
-    it does not hold as float32, and of 3/4 of them the result as bfloat16."""
+def test_an_optimizer_plugin_is_counted_with_its_state_its_work_and_its_collectives():
+    """muon keeps one float32 momentum per matrix element and AdamW's two moments for the rest; under fsdp 4 each
+    rank orthogonalises a quarter of the matrices, receives of those the 3/4 of rows it does not hold as float32,
+    and of each other matrix its own quarter back as bfloat16; the Newton–Schulz work lengthens the step."""
     config, registry, plan, muon = _estimate("+plugins=[fsdp,muon]", "plugins.fsdp.degree=4")
+    adamw = _estimate("+plugins=[fsdp]", "plugins.fsdp.degree=4")[3]
     model = build_meta_model(config, plan.model)
-    matrices = sum(p.numel() for n, p in model.named_parameters() if parameter_role(plan.model, n, p) == "matrix")
+    shapes = [p.shape for n, p in model.named_parameters() if parameter_role(plan.model, n, p) == "matrix"]
+    matrices = sum(shape.numel() for shape in shapes)
     share = matrices / sum(p.numel() for p in model.parameters())
     assert muon.optimizer_state_bytes == pytest.approx(4 * share + 8 * (1 - share)) and 4 < muon.optimizer_state_bytes < 8
     sent = {c.name: evaluated(c.bytes, muon) for c in muon.collectives if c.plugin == "muon"}
-    assert sent == pytest.approx({"all-gather of the Muon updates": matrices * 4 * 3 / 4,
-                                  "broadcast of the orthogonalised matrices": matrices * 2 * 3 / 4})
+    assert sent == pytest.approx({"all-to-all of the Muon updates to their owners": matrices * 4 * 3 / 16,
+                                  "all-to-all of the orthogonalised rows back": matrices * 2 * 3 / 16})
+    work = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes) / 4
+    assert evaluated(muon.optimizer_flops, muon) == pytest.approx(work)
+    assert muon.step_seconds()["matmul"] > adamw.step_seconds()["matmul"]

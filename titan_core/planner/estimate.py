@@ -74,7 +74,9 @@ class Estimate:
     multiplies it). The core sets ``optimizer_bytes`` (bytes per parameter element its optimizer step moves) and
     ``optimizer_state_bytes`` (bytes per parameter element its optimizer keeps), both measured by stepping the
     job's own optimizer on one parameter; an optimizer plugin whose state depends on a parameter's shape (Muon
-    for matrices, AdamW for the rest) sets the latter to its average in its ``estimate_costs``. ``trained_share``:
+    for matrices, AdamW for the rest) sets the latter to its average in its ``estimate_costs``, and
+    ``optimizer_flops`` (matrix-product FLOPs its step runs on this rank, a number or a function of the estimate:
+    Muon's Newton–Schulz, at the bf16 matmul rate). ``trained_share``:
     the parameters that train, as a share of the model's (a plugin that freezes the model and adds parameters
     of its own sets it): gradients, optimizer states and the optimizer's traffic exist for those only.
     """
@@ -106,6 +108,7 @@ class Estimate:
     dispatch_cost: float = 1.0
     optimizer_bytes: float = 0.0
     optimizer_state_bytes: float = 8.0
+    optimizer_flops: float | Callable[[Estimate], float] = 0.0
     trained_share: float = 1.0
     ranks: list[dict] = field(default_factory=list)
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
@@ -257,8 +260,8 @@ class Estimate:
     def step_seconds(self) -> dict[str, float]:
         """Seconds of one optimizer step on one rank, by part, and the total."""
         hardware = self.hardware
-        matmul = (self.step_flops() * (1 + self.recomputed_fraction)
-                  / (hardware.peak_tflops() * 1e12 * hardware.achievable * self.matmul_speedup))
+        matmul = (self.step_flops() * (1 + self.recomputed_fraction) / self.matmul_speedup
+                  + evaluated(self.optimizer_flops, self)) / (hardware.peak_tflops() * 1e12 * hardware.achievable)
         facts = self.facts
         produced = (sum(facts.block_saved[i] for i in self.blocks) / self.activation_split
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))

@@ -2,7 +2,14 @@
 process, options refused in one line."""
 
 import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +20,10 @@ from titan_core.testing import (FLOAT8_LOSS_TOL, FLOAT8_PARAM_TOL, LOSS_TOL, PAR
                                 compose, config_error, run_job)
 from titan_muon.optimizer import MuonWithAdamW, NewtonSchulz
 from titan_muon.plugin import MuonPlugin
+
+spec = importlib.util.spec_from_file_location("exchange_ranks", Path(__file__).with_name("exchange_ranks.py"))
+exchange_ranks = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(exchange_ranks)
 
 STEPS = 10
 # Measured 6.2e-4 over 10 steps at lr 0.02; a momentum that is not kept (steps along the gradient alone) is ~1e-1 off.
@@ -89,6 +100,27 @@ def test_bfloat16_momentum_is_stored_narrow_and_steps_close_to_float32():
     assert 0 < drift < BF16_MOMENTUM_DRIFT
 
 
+@pytest.mark.slow
+def test_across_ranks_each_matrix_is_orthogonalised_once_by_its_owner_and_comes_back_exact(tmp_path):
+    """Four gloo ranks, a flat mesh and a 2 x 2 one, matrices laid out as FSDP, tensor parallel, HSDP and
+    replicated, uneven and smaller than the mesh: each rank's piece is exactly its piece of one process's result,
+    the ranks' Newton–Schulz work adds up to one process's, none does more than its share and one matrix, and on
+    the flat mesh a rank receives what it owns and its own rows of the rest, nothing more."""
+    script = Path(__file__).with_name("exchange_ranks.py")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script),
+                    str(tmp_path)], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    newton_schulz = NewtonSchulz((3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+    costs = [newton_schulz.cost(torch.Size(shape)) for shape in exchange_ranks.SHAPES]
+    for mesh in ("flat 4", "2 x 2"):
+        flops = [rank[mesh]["flops"] for rank in ranks]
+        print(f"{mesh}: worst difference {max(r[mesh]['worst'] for r in ranks)}, work {flops}, "
+              f"received bytes {[r[mesh]['received'] for r in ranks]}")
+        assert all(rank[mesh]["worst"] <= 1e-6 for rank in ranks)
+        assert sum(flops) == sum(costs) and max(flops) <= sum(costs) / 4 + max(costs)
+    assert all(rank["flat 4"]["received"] == rank["flat 4"]["expected_received"] for rank in ranks)
+
+
 @pytest.mark.parametrize("override, line", [
     ("plugins.muon.momentum=1.0", "plugins.muon.momentum: 1.0 is not a number in [0, 1); fix: set "
                                   "plugins.muon.momentum to a number in [0, 1)"),
@@ -111,14 +143,17 @@ MOE = ("model=qwen3_moe_tiny",)
 @pytest.mark.slow
 @pytest.mark.parametrize("plugins, plan", [
     ("fsdp", ("plugins.fsdp.degree=2",)),
+    ("fsdp", ("plugins.fsdp.degree=4",)),
     ("tp", ("plugins.tp.degree=2",)),
     ("fsdp,tp", ("plugins.fsdp.degree=2", "plugins.tp.degree=2")),
     ("fsdp", ("plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2")),
     ("simplefsdp", ("plugins.simplefsdp.degree=2",)),
     ("pp", ("plugins.pp.degree=2",)),
+    ("pp,fsdp", ("plugins.pp.degree=2", "plugins.fsdp.degree=2")),
     ("fsdp,ep", (*MOE, "plugins.fsdp.degree=2", "plugins.ep.degree=2")),
     ("float8,fsdp", ("plugins.fsdp.degree=2", "plugins.float8.fsdp_float8_all_gather=true")),
-], ids=["fsdp2", "tp2", "fsdp2-tp2", "hsdp2x2", "simplefsdp2", "pp2", "moe-ep2-fsdp2", "float8-fsdp2-float8-gather"])
+], ids=["fsdp2", "fsdp4", "tp2", "fsdp2-tp2", "hsdp2x2", "simplefsdp2", "pp2", "pp2-fsdp2", "moe-ep2-fsdp2",
+        "float8-fsdp2-float8-gather"])
 def test_every_plan_equals_one_process(titan_reference, tmp_path, plugins, plan):
     """Against one process with the same model (and float8, whose rounding the tolerances are float8's)."""
     model = [o for o in plan if o.startswith("model=")]
@@ -131,10 +166,10 @@ def test_every_plan_equals_one_process(titan_reference, tmp_path, plugins, plan)
     print(f"muon under {plugins} {' '.join(plan)}: {report}; the busiest rank orthogonalised {share:.2f} of the work")
     assert report.max_loss_diff <= loss_tol and report.max_param_diff <= param_tol, report
     assert reference.metrics[-1]["muon_ns_busiest_share"] == 1.0
-    ranks = 4 if "replicate_degree=2" in plan or plugins == "fsdp,tp" else 2
-    # Owners take matrices in turn, so the busiest rank's share is about 1 / ranks; one rank doing all would show 1.0.
+    ranks = math.prod(int(o.split("=")[1]) for o in plan if "degree=" in o and "ep." not in o)  # ep borrows fsdp's
+    # Owners take matrices by their work, so the busiest rank's share is about 1 / ranks; one rank doing all shows 1.0.
     assert share <= 1 / ranks + 0.1, share
-    # Split matrices are gathered and broadcast; a pipeline stage's are whole on their rank.
+    # Split matrices are gathered and scattered back; a pipeline stage's are whole on their rank.
     assert (result.metrics[-1]["muon_received_mib_busiest"] > 0) == (plugins != "pp"), result.metrics[-1]
 
 

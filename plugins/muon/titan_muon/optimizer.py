@@ -5,12 +5,13 @@ matrix's gradient and steps along its orthogonalisation: a few Newton–Schulz i
 value of the (Nesterov) momentum towards 1. The update is torch's ``torch.optim.Muon``, step for step; a 3-D
 expert stack is orthogonalised one expert's matrix at a time.
 
-Newton–Schulz needs each matrix whole, and under FSDP or tensor parallel a rank holds a piece of it. For a
-matrix held as a DTensor, the ranks of its mesh gather the whole update (one all-gather, as FSDP's forward
-does), one rank of the mesh orthogonalises it (the k-th matrix's owner is the mesh's rank k mod its size, so
-the work spreads evenly), and broadcasts the result, from which each rank keeps its own piece. Per rank and
-step that is one matrix at a time in memory, the Newton–Schulz work of its share of the matrices, and every
-matrix received twice: flat in the number of ranks.
+Newton–Schulz needs each matrix whole, and under FSDP or tensor parallel a rank holds a piece of it. Every matrix
+held as a DTensor is laid out by rows over its mesh (FSDP's own layout; a tensor-parallel split is re-laid), then
+all the matrices of a mesh go at once to their owners, one rank each chosen by the work so that it spreads evenly
+(:mod:`titan_muon.exchange`); every owner orthogonalises its own, all at the same time, and sends each rank its
+rows back. An expert stack laid out by rows is whole expert by expert where it is and needs no exchange. Per rank
+and step: the Newton–Schulz work of its share of the matrices, and it receives its owned matrices and its own
+rows of the others: both fall as the ranks grow.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from titan_muon.exchange import OwnerExchange
 
 
 @dataclass
@@ -35,12 +38,21 @@ class NewtonSchulz:
     dtype: torch.dtype
     flops: int = 0
 
+    def cost(self, shape: torch.Size) -> int:
+        """The FLOPs of orthogonalising a matrix of ``shape`` (each expert's, for a stack)."""
+        return self.cost_of(shape, self.steps)
+
+    @staticmethod
+    def cost_of(shape: torch.Size, steps: int) -> int:
+        small, large = sorted(shape[-2:])
+        experts = shape[0] if len(shape) == 3 else 1
+        return experts * steps * (4 * small * small * large + 2 * small**3)  # two Gram products and the cube
+
     def __call__(self, update: torch.Tensor) -> torch.Tensor:
         if update.ndim == 3:  # an expert stack: each expert's matrix is a matrix of its own (a rank may hold none)
             return torch.stack([self(matrix) for matrix in update]) if len(update) else update.to(self.dtype)
         a, b, c = self.coefficients
-        small, large = sorted(update.shape)
-        self.flops += self.steps * (4 * small * small * large + 2 * small**3)  # two Gram products and the cube
+        self.flops += self.cost(update.shape)
         x = update.to(self.dtype)
         tall = x.size(0) > x.size(1)
         if tall:  # iterate on the smaller Gram matrix
@@ -62,36 +74,26 @@ def adjusted_lr(lr: float, shape: torch.Size, rule: str) -> float:
     return lr * math.sqrt(max(1, rows / columns))
 
 
-def broadcast_from(tensor: torch.Tensor, mesh, owner: tuple[int, ...]) -> None:
-    """Send ``tensor`` from the rank at mesh coordinate ``owner`` to every rank of ``mesh``, one mesh dimension at
-    a time, the last first: along dimension d only the ranks sharing the owner's coordinates before d take part,
-    and they already hold it along the dimensions after d."""
-    coordinate = mesh.get_coordinate()
-    for dim in reversed(range(mesh.ndim)):
-        if all(coordinate[d] == owner[d] for d in range(dim)):
-            dist.broadcast(tensor, group=mesh.get_group(dim), group_src=owner[dim])
+def rows_layout(tensor: DTensor) -> list[Shard]:
+    """The all-rows layout of ``tensor``'s mesh: each dimension splits dim 0 (FSDP's; a 3-D expert stack is then
+    whole expert by expert on every rank)."""
+    return [Shard(0)] * tensor.device_mesh.ndim
 
 
-def orthogonalized(update: torch.Tensor, index: int, newton_schulz: NewtonSchulz) -> tuple[torch.Tensor, int]:
-    """This rank's piece of ``newton_schulz`` of the whole matrix ``update``, and the bytes this rank received for it.
-    A DTensor is gathered, orthogonalised by the ``index``-th matrix's owner and broadcast, but for an expert stack
-    split only by expert (expert parallel, FSDP's dim-0 shards), whose every rank holds whole experts and
-    orthogonalises its own."""
-    if not isinstance(update, DTensor):
-        return newton_schulz(update), 0
-    if update.ndim == 3 and all(placement.is_shard(0) for placement in update.placements):
-        return newton_schulz(update.to_local()), 0
+def laid_back(update: DTensor, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's piece, in ``update``'s layout, of a result whose rows (all-rows layout) it holds."""
+    if list(update.placements) == rows_layout(update):
+        return rows
     mesh = update.device_mesh
-    whole = update.full_tensor()
-    owner = tuple(int(c) for c in torch.unravel_index(torch.tensor(index % mesh.size()), tuple(mesh.shape)))
-    if tuple(mesh.get_coordinate()) == owner:
-        result = newton_schulz(whole).contiguous()  # a tall matrix comes back transposed; collectives send storage
-    else:
-        result = torch.empty_like(whole, dtype=newton_schulz.dtype)
-    received = (whole.numel() - update.to_local().numel()) * whole.element_size()
-    received += 0 if tuple(mesh.get_coordinate()) == owner else result.numel() * result.element_size()
-    broadcast_from(result, mesh, owner)
-    return distribute_tensor(result, mesh, update.placements, src_data_rank=None).to_local(), received
+    spread = DTensor.from_local(rows, mesh, rows_layout(update), shape=update.shape, stride=update.stride())
+    return spread.redistribute(mesh, update.placements).to_local()
+
+
+def relaid_bytes(update: DTensor) -> int:
+    """What re-laying ``update`` out to rows and back moves at most, when it is not in that layout already."""
+    if list(update.placements) == rows_layout(update):
+        return 0
+    return 2 * update.to_local().numel() * update.element_size()
 
 
 class MuonWithAdamW(torch.optim.AdamW):
@@ -107,7 +109,8 @@ class MuonWithAdamW(torch.optim.AdamW):
                  **adamw):
         super().__init__(groups, **adamw)
         self.newton_schulz, self.momentum_dtype = newton_schulz, momentum_dtype
-        self.received_bytes = 0  # by this rank in the last step, for the matrices' gathers and broadcasts
+        self.received_bytes = 0  # by this rank in the last step, to lay out, gather and scatter the matrices
+        self._exchanges: dict[tuple, OwnerExchange] = {}
         bad = [tuple(p.shape) for group in self.param_groups if group.get("muon") for p in group["params"]
                if p.ndim not in (2, 3)]
         if bad:
@@ -117,14 +120,14 @@ class MuonWithAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:  # the loss would have to be taken before the matrices step, AdamW's after
             raise ValueError("MuonWithAdamW.step takes no closure")
-        index, self.newton_schulz.flops, self.received_bytes = 0, 0, 0
-        for group in self.param_groups:
-            if not group.get("muon"):
-                continue
-            for param in group["params"]:
-                index += 1  # counted with or without a gradient: every rank of a mesh agrees on the owners
-                if param.grad is not None:
-                    self._muon_step(param, group, index)
+        self.newton_schulz.flops, self.received_bytes = 0, 0
+        stepped = [(param, group) for group in self.param_groups if group.get("muon")
+                   for param in group["params"] if param.grad is not None]
+        updates = [self._momentum_update(param, group) for param, group in stepped]
+        for (param, group), orthogonal in zip(stepped, self._orthogonalized(updates)):
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.mul_(1 - group["lr"] * group["weight_decay"])
+            local.add_(orthogonal, alpha=-adjusted_lr(group["lr"], param.shape, group["adjust_lr"]))
         adamw_groups = [group for group in self.param_groups if not group.get("muon")]
         every_group, self.param_groups = self.param_groups, adamw_groups  # AdamW steps its own groups alone
         try:
@@ -132,7 +135,8 @@ class MuonWithAdamW(torch.optim.AdamW):
         finally:
             self.param_groups = every_group
 
-    def _muon_step(self, param: torch.Tensor, group: dict, index: int) -> None:
+    def _momentum_update(self, param: torch.Tensor, group: dict) -> torch.Tensor:
+        """The momentum kept, and the (Nesterov) update to orthogonalise."""
         state = self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param.grad, dtype=self.momentum_dtype)
@@ -140,9 +144,38 @@ class MuonWithAdamW(torch.optim.AdamW):
         buffer = stored.to(param.grad.dtype).lerp_(param.grad, 1 - momentum)  # the stored one unless it is narrower
         if buffer is not stored:
             stored.copy_(buffer)
-        update = param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        local = param.to_local() if isinstance(param, DTensor) else param
-        local.mul_(1 - group["lr"] * group["weight_decay"])
-        orthogonal, received = orthogonalized(update, index, self.newton_schulz)
-        self.received_bytes += received
-        local.add_(orthogonal, alpha=-adjusted_lr(group["lr"], param.shape, group["adjust_lr"]))
+        return param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+
+    def _orthogonalized(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's piece of each update's orthogonalisation. A DTensor is laid out by rows first: an expert stack
+        is then whole expert by expert and orthogonalised where it is; a matrix is gathered to its owner with the
+        other matrices of its mesh, orthogonalised there, and its rows scattered back."""
+        results: list[torch.Tensor | None] = [None] * len(updates)
+        batches: dict[tuple, list[tuple[int, DTensor]]] = {}
+        for position, update in enumerate(updates):
+            if not isinstance(update, DTensor):
+                results[position] = self.newton_schulz(update)
+                continue
+            self.received_bytes += relaid_bytes(update)
+            rows = update.redistribute(update.device_mesh, rows_layout(update))
+            if update.ndim == 3:
+                results[position] = laid_back(update, self.newton_schulz(rows.to_local()))
+            else:
+                batches.setdefault((update.device_mesh, update.dtype), []).append((position, rows))
+        for (mesh, dtype), batch in batches.items():
+            positions = [position for position, _ in batch]
+            exchange = self._exchange(mesh, tuple(rows.shape for _, rows in batch))
+            wholes = exchange.gather([rows.to_local() for _, rows in batch], dtype)
+            pieces = exchange.scatter({i: self.newton_schulz(whole) for i, whole in wholes.items()},
+                                      self.newton_schulz.dtype)
+            self.received_bytes += exchange.received_bytes
+            for position, piece in zip(positions, pieces):
+                results[position] = laid_back(updates[position], piece)
+        return results
+
+    def _exchange(self, mesh, shapes: tuple[torch.Size, ...]) -> OwnerExchange:
+        """The owners of these matrices of ``mesh``, by their Newton–Schulz work: fixed once the shapes are."""
+        key = (mesh, shapes)
+        if key not in self._exchanges:
+            self._exchanges[key] = OwnerExchange(mesh, list(shapes), [self.newton_schulz.cost(s) for s in shapes])
+        return self._exchanges[key]

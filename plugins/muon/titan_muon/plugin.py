@@ -4,7 +4,7 @@ step by Muon, the embeddings, the output layer, norms and biases by AdamW, as Mo
 Both follow the core's parameter groups (``optimizer.no_weight_decay``, ``optimizer.lr_multipliers``); AdamW
 takes ``optimizer.*`` as the core's does, Muon its own options (docs/plugins/muon.md). Any plan that holds the
 matrices as DTensors (fsdp, tp, their stacks, pipeline stages) works unchanged: each matrix is made whole,
-orthogonalised by one rank of its mesh and sent back (:mod:`titan_muon.optimizer`).
+orthogonalised by one rank of its mesh and sent back (:mod:`titan_muon.exchange`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from titan_core import (CP, DP_SHARD, FLOAT_DTYPES, PP, TP, ConfigError, Declaration, Plan, build_meta_model, hookimpl,
-                        param_groups, parameter_role)
+from titan_core import (CP, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, PP, TP, ConfigError, Declaration, Plan,
+                        build_meta_model, hookimpl, param_groups, parameter_role)
 
 from titan_muon.optimizer import MuonWithAdamW, NewtonSchulz
 
@@ -83,25 +83,37 @@ class MuonPlugin:
 
     @hookimpl
     def estimate_costs(self, estimate, config, plugin_config, plan):
-        """muon: one momentum per matrix element, AdamW's two float32 moments for the rest; the matrices' updates
-        gathered and their orthogonalisations broadcast over the ranks that split them."""
+        """muon: one momentum per matrix element, AdamW's two float32 moments for the rest; this rank's share of
+        the Newton–Schulz work; the matrices' updates sent to their owners and their rows sent back."""
         model = build_meta_model(config, plan.model)
-        roles = [(parameter_role(plan.model, name, p), p.numel()) for name, p in model.named_parameters()]
-        matrix_share = sum(n for role, n in roles if role == MATRIX) / sum(n for _, n in roles)
+        matrices = [p.shape for name, p in model.named_parameters() if parameter_role(plan.model, name, p) == MATRIX]
+        every = sum(p.numel() for p in model.parameters())
+        matrix_share = sum(shape.numel() for shape in matrices) / every
+        exchanged_share = sum(shape.numel() for shape in matrices if len(shape) == 2) / every  # not expert stacks
         momentum_bytes = FLOAT_DTYPES[plugin_config.momentum_dtype].itemsize
         estimate.optimizer_state_bytes = momentum_bytes * matrix_share + 8 * (1 - matrix_share)
-        ranks = plan.degree(DP_SHARD) * plan.degree(CP) * plan.degree(TP)
-        if ranks > 1:
-            matrices = sum(role == MATRIX for role, _ in roles) / plan.degree(PP)
+        dims = [dim for dim in (DP_REPLICATE, DP_SHARD, CP, TP) if plan.degree(dim) > 1]
+        ranks = math.prod(plan.degree(dim) for dim in dims)  # the ranks a matrix's mesh spreads over
+        work = sum(NewtonSchulz.cost_of(shape, plugin_config.ns_steps) for shape in matrices) / every
+        estimate.optimizer_flops = lambda e: e.held_params() * work / ranks
+        if ranks == 1:
+            return
+        result_bytes = FLOAT_DTYPES[plugin_config.ns_dtype].itemsize
 
-            def received(bytes_per_element):  # every matrix this rank holds a piece of, but for its own piece
-                return lambda e: e.held_params() * matrix_share * bytes_per_element * (ranks - 1) / ranks
+        def exchanged(bytes_per_element):  # of its owned matrices, the rows it does not hold; of the others, its own
+            return lambda e: e.held_params() * exchanged_share * bytes_per_element * (ranks - 1) / ranks**2
 
-            estimate.add_collective("all-gather of the Muon updates", (DP_SHARD, CP, TP), received(4),
-                                    overlapped=False, plugin="muon", calls=matrices)
-            estimate.add_collective("broadcast of the orthogonalised matrices", (DP_SHARD, CP, TP),
-                                    received(FLOAT_DTYPES[plugin_config.ns_dtype].itemsize), overlapped=False,
-                                    plugin="muon", calls=matrices)
+        levels, calls = len(dims), 2 * sum(len(shape) == 2 for shape in matrices) / plan.degree(PP)
+        estimate.add_collective("all-to-all of the Muon updates to their owners", tuple(dims), exchanged(4),
+                                overlapped=False, plugin="muon", calls=levels)
+        estimate.add_collective("all-to-all of the orthogonalised rows back", tuple(dims), exchanged(result_bytes),
+                                overlapped=False, plugin="muon", calls=levels)
+        if plan.degree(TP) > 1:  # a tensor-parallel split laid out by rows and back: most of its piece each way
+            tp = plan.degree(TP)
+            estimate.add_collective(
+                "re-layout of the tensor-parallel matrices by rows", (TP,),
+                lambda e: e.held_params() * exchanged_share / ranks * (tp - 1) / tp * (4 + result_bytes),
+                overlapped=False, plugin="muon", calls=calls)
 
     @hookimpl
     def build_optimizer(self, model_parts, config, plugin_config, plan: Plan):
