@@ -17,6 +17,7 @@ one line with the previous checkpoint kept, and each mistake below is refused in
 | compare on a run killed mid-write                  | a warning naming the file; the comparison goes on             |
 | prepare into a folder of other files               | one line, exit 2, nothing written                             |
 | a hub dataset that cannot be reached               | one line within 5 s                                           |
+| a plugin distribution whose code is gone           | one line naming it and how to reinstall, exit 2               |
 """
 
 import errno
@@ -227,6 +228,20 @@ def test_mistakes_are_one_line_before_launch(tmp_path, overrides, words):
     result = run_job([*TINY, *overrides], tmp_path / "run", expect_success=False)
     assert words in error_line(result) and "fix: " in error_line(result)
     assert not (tmp_path / "run" / "logs").exists()  # no worker started
+
+
+def test_a_plugin_distribution_whose_code_is_gone_is_one_line(tmp_path):
+    """An editable install whose folder moved leaves its metadata behind: its entry points name modules that
+    are no longer there."""
+    env = install_plugins(tmp_path / "site", {"ghost": ("", "")}, "titan-ghost")
+    (tmp_path / "site" / "titan_ghost_ghost.py").unlink()
+    shutil.rmtree(tmp_path / "site" / "titan_ghost_ghost_conf")
+    result = run_job([*TINY], tmp_path / "run", expect_success=False, env=env)
+    assert result.returncode == 2 and error_line(result) == (
+        "titan-core: error: plugins.ghost: the installed distribution titan-ghost names the config package 'titan_ghost_ghost_conf', "
+        "which cannot be imported (No module named 'titan_ghost_ghost_conf'); fix: reinstall titan-ghost "
+        "(pip install -e <its folder>) or pip uninstall titan-ghost")
+    assert "Traceback" not in result.stderr and not (tmp_path / "run" / "logs").exists()
 
 
 def test_the_memory_bound_can_be_switched_off(tmp_path):

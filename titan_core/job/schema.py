@@ -19,6 +19,7 @@ from importlib.resources import files
 from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
+from titan_core.plugins import distribution_name
 
 CONF_GROUP = "titan_core.conf"
 CORE_CONF = "titan_core.conf"
@@ -28,11 +29,27 @@ CORE_SECTIONS = ("training", "optimizer", "lr_scheduler", "data", "validation", 
 CORE_NULLABLE = ("training.max_norm",)
 
 
+def conf_packages() -> list[str]:
+    """The config packages the installed distributions name, each importable: a distribution whose code is gone
+    (an editable install whose folder moved) is one line naming it, not a traceback."""
+    packages = []
+    for ep in entry_points(group=CONF_GROUP):
+        try:
+            files(ep.value)
+        except ModuleNotFoundError as error:
+            raise ConfigError(f"plugins.{ep.name}", f"the installed distribution {distribution_name(ep)} names the "
+                              f"config package '{ep.value}', which cannot be imported ({error})",
+                              f"reinstall {distribution_name(ep)} (pip install -e <its folder>) or pip uninstall "
+                              f"{distribution_name(ep)}") from None
+        packages.append(ep.value)
+    return packages
+
+
 def option_files(group: str) -> dict:
     """The ``<group>/<name>.yaml`` files (``plugins``, ``model``) that the core and the installed
     distributions ship, by name."""
     found = {}
-    for package in (CORE_CONF, *(ep.value for ep in entry_points(group=CONF_GROUP))):
+    for package in (CORE_CONF, *conf_packages()):
         folder = files(package).joinpath(group)
         if folder.is_dir():
             found |= {f.name[:-5]: f for f in folder.iterdir() if f.name.endswith(".yaml")}
