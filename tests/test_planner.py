@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -480,6 +481,13 @@ def test_a_plugin_that_freezes_the_model_is_counted_with_its_trained_share():
     assert adapted.memory()["optimizer"] == pytest.approx(8 * 16_384)
     adapted.trained_share = 1.0  # the whole model trained, as without lora
     assert adapted.memory()["optimizer"] > 8 * 16_384 * 10
+    narrow = compose("model=qwen3_tiny", "tokenizer.path=bytes", "training.seq_len=64", "+plugins=[lora]",
+                     "plugins.lora.rank=4", "plugins.lora.base_dtype=bfloat16", "training.compute_dtype=bfloat16")
+    model = build_meta_model(narrow, plan.model)
+    linears = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    halved = estimate(narrow, build_plan(narrow, Registry(narrow), None, 256), Registry(narrow), CPU)
+    # The base linears at 2 bytes, not 4: the embeddings and norms stay float32.
+    assert adapted.memory()["parameters"] - halved.memory()["parameters"] == pytest.approx(2 * linears)
 
 
 def test_an_optimizer_plugin_is_counted_with_its_state_its_work_and_its_collectives():

@@ -192,17 +192,19 @@ def test_every_plan_equals_one_process(start, one_process, plugin, options, tmp_
     assert max((exported[0][k] - exported[1][k]).abs().max().item() for k in exported[1]) <= 1e-5
 
 
-# Lists, once the model is built, the adapted linears and whether each computes in float8.
+# Lists, once the model is built, the adapted linears: whether each computes in float8, the dtype its base weight
+# is held in on this rank, and its adapter's.
 INSPECTOR = """
 import json
 from torchao.float8.float8_linear import Float8Linear
-from titan_core import hookimpl
+from titan_core import hookimpl, local_box
 
 
 @hookimpl
 def after_init(model_parts, plugin_config):
-    adapted = {name: isinstance(module, Float8Linear) for part in model_parts for name, module in part.named_modules()
-               if hasattr(module, "lora_A")}
+    adapted = {name: {"float8": isinstance(module, Float8Linear), "base": str(local_box(module.weight)[0].dtype),
+                      "adapter": str(local_box(module.lora_A.weight)[0].dtype)}
+               for part in model_parts for name, module in part.named_modules() if hasattr(module, "lora_A")}
     with open(plugin_config.out, "w") as file:
         json.dump(adapted, file)
 """
@@ -212,6 +214,8 @@ def after_init(model_parts, plugin_config):
 # rounding: 0.012 in the loss over these 4 steps at lr 1e-2 (fp32 vs float8, one process or fsdp 2). A wrong
 # scale or an untrained adapter is off by more than 0.1 (training moves the loss 0.27).
 FLOAT8_LORA_TOL = 0.03
+# The frozen linears rounded to bfloat16 (relative 2^-9) under float32 compute; training moves the loss 0.27.
+BF16_BASE_TOL = 0.01
 
 
 @pytest.mark.slow
@@ -223,11 +227,38 @@ def test_adapters_on_a_float8_base_under_fsdp_train_like_one_fp32_process(start,
     result = run_job(lora_job(base, adapter, "plugins.fsdp.degree=2", f"plugins.inspector.out={tmp_path / 'adapted.json'}",
                               plugins=",float8,fsdp,inspector"), tmp_path / "run", env=env)
     adapted = json.loads((tmp_path / "adapted.json").read_text())
-    assert len(adapted) == 14 and all(adapted.values()), adapted  # 7 linears a block, each a float8 one
+    assert len(adapted) == 14 and all(linear["float8"] for linear in adapted.values()), adapted  # 7 a block
     ours, fp32 = losses(result.run_dir), losses(one_process.run_dir)
     print(f"float8 base + adapters under fsdp 2: {ours}; fp32, one process: {fp32}")
     assert 1e-3 < max(abs(a - b) for a, b in zip(ours, fp32)) <= FLOAT8_LORA_TOL  # rounded, and as close as that
     assert ours[-1] < ours[0] - 0.2  # the adapters learn through the float8 base
+
+
+@pytest.mark.slow
+def test_a_bfloat16_base_changes_nothing_under_bfloat16_compute_and_trains_under_fsdp(start, tmp_path):
+    """Autocast rounds the frozen linears to bfloat16 for every matmul anyway: held in bfloat16 (half the bytes),
+    they give the same losses bit for bit. Under FSDP (float32 compute on the CPU) the bfloat16 shards train the
+    adapters as the float32 base does, within the rounding of the weights."""
+    base, adapter = start
+    env = install_plugins(tmp_path / "site", {"inspector": (INSPECTOR, "out: null\n")}, distribution="inspector")
+    runs = {}
+    for name, options in {"fp32": ["training.compute_dtype=bfloat16"],
+                          "bf16": ["training.compute_dtype=bfloat16", "plugins.lora.base_dtype=bfloat16"],
+                          "fp32-fsdp": ["plugins.fsdp.degree=2"],
+                          "bf16-fsdp": ["plugins.fsdp.degree=2", "plugins.lora.base_dtype=bfloat16"]}.items():
+        out = tmp_path / f"{name}.json"
+        result = run_job(lora_job(base, adapter, *options, f"plugins.inspector.out={out}",
+                                  plugins=",inspector" + (",fsdp" if "fsdp" in name else "")), tmp_path / name, env=env)
+        runs[name] = losses(result.run_dir), json.loads(out.read_text())
+    for name, (trained, adapted) in runs.items():
+        held = "torch.bfloat16" if name.startswith("bf16") else "torch.float32"
+        assert len(adapted) == 14 and all(a["base"] == held and a["adapter"] == "torch.float32"
+                                          for a in adapted.values()), (name, adapted)
+    drift = max(abs(a - b) for a, b in zip(runs["bf16-fsdp"][0], runs["fp32-fsdp"][0]))
+    print(f"bf16 base: {runs['bf16'][0]} (fp32 base, bf16 autocast: {runs['fp32'][0]}); under fsdp 2 "
+          f"{runs['bf16-fsdp'][0]}, {drift:.1e} from the fp32 base")
+    assert runs["bf16"][0] == runs["fp32"][0]
+    assert 0 < drift <= BF16_BASE_TOL and runs["bf16-fsdp"][0][-1] < runs["bf16-fsdp"][0][0] - 0.2
 
 
 def test_what_lora_cannot_do_is_refused(start):
@@ -236,6 +267,9 @@ def test_what_lora_cannot_do_is_refused(start):
     error = config_error(*job, "plugins.lora.targets=[experts]")
     assert error.field == "plugins.lora.targets" and "experts are grouped tensors" in str(error)
     assert "unknown target 'attn'" in str(config_error(*job, "plugins.lora.targets=[attn]"))
+    assert str(config_error(*job, "plugins.lora.base_dtype=bfloat16")) == (
+        "plugins.lora.base_dtype: a bfloat16 base needs bfloat16 compute or a plugin's mixed precision, and this job "
+        "computes in float32; fix: set training.compute_dtype=bfloat16")
     error = config_error(*job, f"plugins.lora.init_from={adapter}", "plugins.lora.rank=8")
     assert error.field == "plugins.lora.rank" and f"8 disagrees with {RANK}" in str(error)
     assert config_error(*job, "plugins.lora.rank=0").field == "plugins.lora.rank"

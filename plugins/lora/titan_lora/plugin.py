@@ -6,7 +6,8 @@ weights keep their names, so the Hugging Face import and export of the base work
 plugins shard the adapters with their block. Every other parameter is frozen: the optimizer keeps state only for
 the adapters. ``after_init`` draws ``lora_A`` as PEFT does (Kaiming-uniform) from one generator per adapter, so
 every plan starts alike, and zeroes ``lora_B`` (training starts at the base model), or reads a PEFT adapter.
-``on_train_end`` writes the adapters in PEFT's format.
+``on_train_end`` writes the adapters in PEFT's format. ``base_dtype=bfloat16`` holds the frozen linears in
+bfloat16: what autocast rounds them to for every matmul anyway, in half the bytes.
 
 Under tensor parallel (stage 210, right after tp's 200) each adapter is split like its linear: a linear split by
 output features has its ``lora_B`` split the same way, one split by input features its ``lora_A``; the other
@@ -33,8 +34,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from titan_core import CP, DP_REPLICATE, DP_SHARD, TP, ConfigError, Declaration, ModelDescription, attribute, \
-    build_meta_model, canonical_name, hookimpl, lacks, local_box, text_or_null
+from titan_core import CP, DP_REPLICATE, DP_SHARD, MIXED_PRECISION, TP, ConfigError, Declaration, ModelDescription, \
+    attribute, build_meta_model, canonical_name, compute_dtype, device_kind, hookimpl, lacks, local_box, text_or_null
 
 log = logging.getLogger("titan_core")
 FIELD = "plugins.lora"
@@ -42,6 +43,7 @@ STAGE = 210  # right after tensor parallel split the adapted linears, before CP,
 ROLES = ("attention", "mlp")  # the description's block_regions, in their order
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+BASE_DTYPES = ("float32", "bfloat16")
 
 
 def target_paths(description: ModelDescription, targets) -> tuple[str, ...]:
@@ -150,6 +152,14 @@ def validate_options(config, options, plan) -> None:
         raise ConfigError(f"{FIELD}.dropout", f"{options.dropout!r} is not in [0, 1)", "set e.g. 0.0 or 0.05")
     if not options.targets:
         raise ConfigError(f"{FIELD}.targets", "is empty", f"name some of {', '.join(ROLES)}")
+    if options.base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"{FIELD}.base_dtype", f"{options.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}",
+                          f"set {FIELD}.base_dtype=bfloat16 to hold the frozen linears in half the bytes")
+    computes = compute_dtype(config.training.compute_dtype, "training.compute_dtype", device_kind(config.launch.device))
+    if options.base_dtype == "bfloat16" and computes == torch.float32 and not plan.provides(MIXED_PRECISION):
+        # Nothing would cast them: a float32 activation cannot meet a bfloat16 weight in a matmul.
+        raise ConfigError(f"{FIELD}.base_dtype", "a bfloat16 base needs bfloat16 compute or a plugin's mixed "
+                          "precision, and this job computes in float32", "set training.compute_dtype=bfloat16")
     if options.dropout and plan.degree(TP) > 1:
         # The masks would be drawn on split and replicated DTensors: untested that every rank draws alike.
         raise ConfigError(f"{FIELD}.dropout", f"{options.dropout!r} under tensor parallel is not supported yet",
@@ -256,12 +266,21 @@ class LoraPlugin:
         model = build_meta_model(config, plan.model)
         linears = chosen_linears(model, plan.model, target_paths(plan.model, plugin_config.targets))
         adapters = sum(plugin_config.rank * (linear.in_features + linear.out_features) for linear in linears.values())
-        estimate.trained_share = adapters / sum(p.numel() for p in model.parameters())
+        every = sum(p.numel() for p in model.parameters())
+        estimate.trained_share = adapters / every
+        if plugin_config.base_dtype == "bfloat16":
+            narrow = sum(p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()) / every
+            estimate.add_memory("parameters", lambda e: -2 * narrow * e.held_params() / (e.weight_split * e.state_shards),
+                                "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora")
 
     @hookimpl
     def convert_modules(self, model, plugin_config, plan):
-        """lora: freeze every weight and give the chosen linears their adapters."""
+        """lora: freeze every weight (the linears' in bfloat16 if asked) and give the chosen linears their adapters."""
         model.requires_grad_(False)
+        if plugin_config.base_dtype == "bfloat16":
+            # Only what autocast would round for its matmuls anyway: embeddings and norms keep their float32.
+            for linear in [m for m in model.modules() if isinstance(m, nn.Linear)]:
+                linear.to(torch.bfloat16)
         linears = chosen_linears(model, plan.model, target_paths(plan.model, plugin_config.targets))
         for linear in linears.values():
             add_adapter(linear, plugin_config.rank, scale(plugin_config), plugin_config.dropout)
