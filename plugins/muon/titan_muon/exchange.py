@@ -73,13 +73,12 @@ class OwnerExchange:
                     dtype: torch.dtype) -> list[torch.Tensor]:
         """Each rank along mesh dimension ``dim`` sends ``sent[m]`` to the m-th and receives ``receive_counts[m]``
         elements from it, returned split by sender."""
-        send = [torch.cat([t.reshape(-1) for t in parts]) if parts else torch.empty(0, dtype=dtype)
-                for parts in sent]
-        send_counts = [t.numel() for t in send]
         device = self.mesh.device_type
+        send = [torch.cat([t.reshape(-1).to(dtype) for t in parts]) if parts
+                else torch.empty(0, dtype=dtype, device=device) for parts in sent]
+        send_counts = [t.numel() for t in send]
         received = torch.empty(sum(receive_counts), dtype=dtype, device=device)
-        dist.all_to_all_single(received, torch.cat(send).to(device=device, dtype=dtype), receive_counts,
-                               send_counts, group=self.mesh.get_group(dim))
+        dist.all_to_all_single(received, torch.cat(send), receive_counts, send_counts, group=self.mesh.get_group(dim))
         me = self.coordinate[dim]
         self.received_bytes += (sum(receive_counts) - receive_counts[me]) * received.element_size()
         return list(received.split(receive_counts))
