@@ -1,10 +1,14 @@
 """Activation checkpointing: the memory it saves (measured), unchanged numerics, bad options refused."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch.distributed._tools.mem_tracker import MemTracker
 
+import titan_ac
 from titan_ac.plugin import apply_ac
 from titan_core import canonical_name
 from titan_core.testing import init_weights
@@ -50,6 +54,50 @@ def test_checkpointing_saves_activation_memory_and_changes_no_number():
     assert acts["full"] < 0.35 * acts["none"]
     assert acts["full"] < acts["selective_layer"] < 0.75 * acts["none"]
     assert acts["full"] < acts["selective_op"] < 0.75 * acts["none"]
+
+
+class ScaledMatmul(torch.autograd.Function):
+    """A float8 linear's forward as torchao runs it on GPUs: operands cast to float8, one ``_scaled_mm``."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        one = torch.tensor(1.0)
+        return torch._scaled_mm(x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn).t(), scale_a=one,
+                                scale_b=one, out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class ScaledMatmulCount(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket is torch.ops.aten._scaled_mm
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_op_keeps_float8_matmuls_as_it_keeps_matmuls():
+    """With the default save_ops no ``_scaled_mm`` runs again in backward; with ``mm`` alone (the old default)
+    the checkpointed block recomputed it."""
+    defaults = OmegaConf.load(Path(titan_ac.__file__).parent / "conf" / "plugins" / "ac.yaml").ac.save_ops
+    recomputed = {}
+    for name, save_ops in {"default": list(defaults), "mm alone": ["mm"]}.items():
+        weight = torch.nn.Parameter(torch.randn(32, 16))
+        block = torch.nn.Module()
+        block.forward = lambda x: torch.relu(ScaledMatmul.apply(x, weight))
+        layers = torch.nn.ModuleDict({"0": block})
+        apply_ac(layers, "selective_op", save_ops=save_ops)
+        out = layers["0"](torch.randn(8, 16, requires_grad=True))
+        with ScaledMatmulCount() as count:
+            out.sum().backward()
+        recomputed[name] = count.calls
+    assert recomputed == {"default": 0, "mm alone": 1}
 
 
 def test_parameter_names_stay_canonical():
