@@ -61,6 +61,7 @@ TP_NO_SP = ("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_paralle
 
 @pytest.mark.parametrize("overrides", [
     (), ("+plugins=[ac]", "plugins.ac.mode=full"), ("+plugins=[ac]", "plugins.ac.mode=selective_op"),
+    ("+plugins=[ac]", "plugins.ac.mode=selective_op", "plugins.ac.matmuls=every_other"),
     ("+plugins=[ac]", "plugins.ac.mode=selective_layer", "plugins.ac.every=2"), ("training.grad_accum_steps=2",),
     ("model=qwen3_tiny",), ("model=qwen3_tiny", "+plugins=[ac]", "plugins.ac.mode=full"),
     ("model=gpt2_tiny", "+plugins=[ac]", "plugins.ac.mode=full"),
@@ -72,7 +73,7 @@ TP_NO_SP = ("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_paralle
     ("+plugins=[cp]", "plugins.cp.degree=2"), ("+plugins=[fsdp,cp]", "plugins.fsdp.degree=2", "plugins.cp.degree=2"),
     ("+plugins=[float8]",),
     ("+plugins=[fsdp,float8]", "plugins.fsdp.degree=2", "plugins.float8.fsdp_float8_all_gather=true"),
-], ids=["none", "ac-full", "ac-selective_op", "ac-selective_layer", "grad-accum", "qwen3", "qwen3-ac-full",
+], ids=["none", "ac-full", "ac-selective_op", "ac-selective_op-every-other-matmul", "ac-selective_layer", "grad-accum", "qwen3", "qwen3-ac-full",
         "gpt2-ac-full", "fsdp", "hsdp", "fsdp-ac-full", "tp", "tp-no-sp", "fsdp-tp", "tp-ac-full",
         "tp-no-sp-ac-selective_op", "cp", "fsdp-cp", "float8",
         "fsdp-float8"])

@@ -27,6 +27,8 @@ from titan_core.errors import ConfigError
 
 # Positions traced (at most): enough for every shape to be general, few enough to be instant for 405B.
 TRACE_TOKENS = 64
+MATMULS = ("mm", "_scaled_mm")  # a linear's matmul, in full precision and in float8
+ALTERNATE_MATMULS = "every other matmul"  # block_made's key for the 1st, 3rd, ... matmul of a block
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class ModelFacts:
     residual stream entering a block, what full checkpointing keeps of it; ``block_stream_saved[i]``: the part
     of ``block_saved[i]`` shaped like that stream, or flattened to rows of its width (what tensor parallel leaves
     whole: it splits heads and hidden units, not the stream); ``block_made[i]``: bytes per token of the results
-    of each aten op of block ``i``, by op name (what selective checkpointing chooses among);
+    of each aten op of block ``i``, by op name (what selective checkpointing chooses among), and of its 1st,
+    3rd, ... matmuls under ``ALTERNATE_MATMULS``;
     ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
     ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
@@ -95,6 +98,7 @@ class _Tracer(TorchDispatchMode):
         self.kept_alive: list[torch.Tensor] = []  # so that no other storage reuses a recorded one's address
         self.saved: dict[int, tuple[int | None, int, tuple[int, ...]]] = {}  # storage -> block, bytes, shape
         self.made = [{} for _ in range(n_blocks)]
+        self.matmuls = 0  # of the block being traced
         self.block_input = 0.0
         self.stream_shape: tuple[int, ...] = ()
         self.attention_kv = 0.0
@@ -112,11 +116,16 @@ class _Tracer(TorchDispatchMode):
 
     def record(self, name: str, *results: torch.Tensor) -> None:
         if self.block is not None:
-            made = self.made[self.block]
-            made[name] = made.get(name, 0.0) + sum(map(_nbytes, results)) / self.positions
+            made, nbytes = self.made[self.block], sum(map(_nbytes, results)) / self.positions
+            made[name] = made.get(name, 0.0) + nbytes
+            if name in MATMULS:
+                self.matmuls += 1
+                if self.matmuls % 2:
+                    made[ALTERNATE_MATMULS] = made.get(ALTERNATE_MATMULS, 0.0) + nbytes
 
     def enter(self, index: int, module, args) -> None:
         self.block = self.counting = index
+        self.matmuls = 0
         self.block_input = _nbytes(args[0]) / self.positions
         self.stream_shape = tuple(args[0].shape)
 

@@ -21,30 +21,43 @@ ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=264, mu
 SAVE_OPS = ["mm", "_scaled_dot_product_flash_attention_for_cpu"]
 
 
-def _step(mode: str | None):
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Calls of one aten op."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def _step(mode: str | None, matmuls: str = "all"):
     """Peak bytes by kind (torch's MemTracker, which follows every tensor's storage) over one
-    forward+backward, the loss, and the gradients by canonical name."""
+    forward+backward, the loss, the gradients by canonical name, and the matmuls backward ran."""
     model = Transformer(ARGS)
     init_weights(model, describe(model.args), 0)
     if mode:
-        apply_ac(model.layers, mode, every=2, save_ops=SAVE_OPS)
+        apply_ac(model.layers, mode, every=2, save_ops=SAVE_OPS, matmuls=matmuls)
     tokens = torch.randint(0, ARGS.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    tracker = MemTracker()
+    tracker, backward_matmuls = MemTracker(), OpCount(torch.ops.aten.mm)
     tracker.track_external(model)
     with tracker:
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
+        with backward_matmuls:
+            loss.backward()
     peak = {kind.name: n for kind, n in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
             if kind != "Total"}
     grads = {canonical_name(n): p.grad for n, p in model.named_parameters()}
-    return peak, loss.item(), grads
+    return peak, loss.item(), grads, backward_matmuls.calls
 
 
 def test_checkpointing_saves_activation_memory_and_changes_no_number():
-    base_peak, base_loss, base_grads = _step(None)
+    base_peak, base_loss, base_grads, _ = _step(None)
     acts = {"none": base_peak["ACT"]}
     for mode in ("full", "selective_op", "selective_layer"):
-        peak, loss, grads = _step(mode)
+        peak, loss, grads, _ = _step(mode)
         acts[mode] = peak["ACT"]
         assert loss == base_loss, mode  # recomputation replays the same kernels: bitwise equal
         assert all(torch.equal(grads[n], base_grads[n]) for n in base_grads), mode
@@ -72,14 +85,15 @@ class ScaledMatmul(torch.autograd.Function):
         return grad @ weight, grad.t() @ x
 
 
-class ScaledMatmulCount(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func.overloadpacket is torch.ops.aten._scaled_mm
-        return func(*args, **(kwargs or {}))
+def test_every_other_matmul_is_recomputed_as_torchtitan_does_and_no_number_changes():
+    """matmuls=every_other keeps a block's 1st, 3rd, 5th and 7th matmul (query, value, gate, down) and reruns
+    the 3 others in backward, in each of the 4 blocks; the numbers stay bitwise those of no checkpointing."""
+    _, base_loss, base_grads, _ = _step(None)
+    runs = {policy: _step("selective_op", policy) for policy in ("all", "every_other")}
+    for peak, loss, grads, _ in runs.values():
+        assert loss == base_loss and all(torch.equal(grads[n], base_grads[n]) for n in base_grads)
+    assert runs["every_other"][3] - runs["all"][3] == 3 * ARGS.n_layers
+    assert runs["every_other"][0]["ACT"] < runs["all"][0]["ACT"]
 
 
 def test_selective_op_keeps_float8_matmuls_as_it_keeps_matmuls():
@@ -94,7 +108,7 @@ def test_selective_op_keeps_float8_matmuls_as_it_keeps_matmuls():
         layers = torch.nn.ModuleDict({"0": block})
         apply_ac(layers, "selective_op", save_ops=save_ops)
         out = layers["0"](torch.randn(8, 16, requires_grad=True))
-        with ScaledMatmulCount() as count:
+        with OpCount(torch.ops.aten._scaled_mm) as count:
             out.sum().backward()
         recomputed[name] = count.calls
     assert recomputed == {"default": 0, "mm alone": 1}
@@ -135,6 +149,7 @@ def test_selective_op_under_a_split_backward_is_refused(tmp_path):
     ("plugins.ac.mode=some", "plugins.ac.mode: unknown mode 'some'"),
     ("plugins.ac.save_ops=[mm,matmull]", "plugins.ac.save_ops: 'matmull' is not an aten op"),
     ("plugins.ac.every=0", "plugins.ac.every: 0 is not a positive integer"),
+    ("plugins.ac.matmuls=half", "plugins.ac.matmuls: unknown policy 'half'; fix: use one of all, every_other"),
 ])
 def test_bad_options_fail_before_launch(tmp_path, override, message):
     extra = ["plugins.ac.mode=selective_layer"] if "every" in override else []

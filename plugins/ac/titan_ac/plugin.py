@@ -9,8 +9,6 @@ The blocks the model describes (``ModelDescription.blocks``) are wrapped in plac
 segment is one the core strips from parameter names, so init and checkpoints see the usual names.
 """
 
-from functools import partial
-
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
@@ -19,6 +17,9 @@ from titan_core import SPLIT_BACKWARD, ConfigError, Declaration, hookimpl, lacks
 
 STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their collectives too; before compile
 MODES = ("full", "selective_op", "selective_layer")
+MATMUL_POLICIES = ("all", "every_other")  # of the matmuls save_ops names, keep all or the 1st, 3rd, ... (TorchTitan's)
+MATMULS = ("mm", "_scaled_mm")
+ALTERNATE_MATMULS = "every other matmul"  # the planner's name for those kept (its facts' block_made)
 # Profiler ranges are markers, not results. FSDP opens them in its hooks, which run a different number of
 # times in forward and in recomputation when an FSDP unit sits inside a checkpointed block (expert
 # parallel's experts): counted as ops, they failed backward with "invocation index ... not found".
@@ -37,6 +38,7 @@ def declare():
 
 @hookimpl
 def validate(plugin_config, plan):
+    """ac: the mode, the blocks to wrap, the ops to keep and the matmul policy, before launch."""
     if plan.model.blocks is None:
         raise ConfigError("plugins.ac", lacks(plan.model, "blocks", "activation checkpointing"),
                           "remove ac from +plugins=[...], or describe the model's blocks")
@@ -56,38 +58,51 @@ def validate(plugin_config, plan):
         if unknown:
             raise ConfigError("plugins.ac.save_ops", f"'{unknown[0]}' is not an aten op",
                               "name ops as in torch.ops.aten (e.g. mm, _scaled_dot_product_flash_attention)")
+    if plugin_config.matmuls not in MATMUL_POLICIES:
+        raise ConfigError("plugins.ac.matmuls", f"unknown policy '{plugin_config.matmuls}'",
+                          f"use one of {', '.join(MATMUL_POLICIES)}")
 
 
 @hookimpl
 def apply_parallelism(model_parts, plugin_config, plan):
     """ac: wrap every block (or every k-th) of every model part in a checkpoint."""
     for part in model_parts:
-        apply_ac(plan.model.blocks_of(part), plugin_config.mode, plugin_config.every, plugin_config.save_ops)
+        apply_ac(plan.model.blocks_of(part), plugin_config.mode, plugin_config.every, plugin_config.save_ops,
+                 plugin_config.matmuls)
 
 
-def apply_ac(layers: torch.nn.ModuleDict, mode: str, every: int = 1, save_ops=()) -> None:
+def apply_ac(layers: torch.nn.ModuleDict, mode: str, every: int = 1, save_ops=(), matmuls: str = "all") -> None:
     """Wrap the blocks of ``layers`` in place. Keys are the global layer indices (a pipeline stage keeps
     them), so ``every`` picks the same blocks whatever the split."""
     for name, block in list(layers.items()):
         if mode == "selective_layer" and int(name) % every:
             continue
-        context = {"context_fn": keep_results_of(save_ops)} if mode == "selective_op" else {}
+        context = {"context_fn": keep_results_of(save_ops, matmuls)} if mode == "selective_op" else {}
         # No dropout in these models, so the RNG state need not be saved and restored around recomputation.
         layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **context)
 
 
-def keep_results_of(op_names):
-    """A checkpoint ``context_fn`` that saves the outputs of the named aten ops and recomputes the rest."""
+def keep_results_of(op_names, matmuls: str = "all"):
+    """A checkpoint ``context_fn`` that saves the outputs of the named aten ops and recomputes the rest; with
+    ``matmuls="every_other"`` only the 1st, 3rd, ... of a block's matmuls among them."""
     saved = {getattr(torch.ops.aten, name) for name in op_names}
+    alternating = {getattr(torch.ops.aten, name) for name in MATMULS} if matmuls == "every_other" else set()
 
-    def policy(ctx, op, *args, **kwargs):
-        # Only functional overloads: inside a compiled region (tp + compile compiles sub-layers inside the
-        # checkpointed block) inductor calls ``mm.out`` into buffers it reuses, and a saved buffer that is
-        # later overwritten fails backward ("Tensor cached during selective activation checkpoint has been
-        # mutated"). Those results are recomputed instead.
-        keep = op.overloadpacket in saved and not op._schema.is_mutable
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-    return partial(create_selective_checkpoint_contexts, policy)
+    def contexts():
+        seen = {False: 0, True: 0}  # matmuls met in the forward and in its recomputation, which must agree
+
+        def policy(ctx, op, *args, **kwargs):
+            # Only functional overloads: inside a compiled region (tp + compile compiles sub-layers inside the
+            # checkpointed block) inductor calls ``mm.out`` into buffers it reuses, and a saved buffer that is
+            # later overwritten fails backward ("Tensor cached during selective activation checkpoint has been
+            # mutated"). Those results are recomputed instead.
+            keep = op.overloadpacket in saved and not op._schema.is_mutable
+            if keep and op.overloadpacket in alternating:
+                seen[ctx.is_recompute] += 1
+                keep = seen[ctx.is_recompute] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+    return contexts
 
 
 # Of a step's FLOPs, the forward is a third (backward computes two gradients per forward matmul).
@@ -102,6 +117,8 @@ def estimate_costs(estimate, plugin_config):
     checkpointed = [i for i in estimate.blocks if mode != "selective_layer" or i % every == 0]
     if mode == "selective_op":
         ops = {"attention" if "attention" in op else op for op in plugin_config.save_ops}
+        if plugin_config.matmuls == "every_other":
+            ops = ops - set(MATMULS) | {ALTERNATE_MATMULS}
         estimate.keep = lambda index, saved, stream: min(
             saved, stream + estimate.facts.made_by(index, ops) / estimate.activation_split)
         # The recomputed ops are the elementwise ones: their FLOPs are negligible, their memory traffic is not.
