@@ -86,6 +86,7 @@ def test_enabled_plugins_known_presets_and_own_configs_pass(argv):
 SFT_DATA = Path(__file__).parents[1] / "plugins" / "sft" / "tests" / "data"
 PLUGIN_BAD = {
     "plugins.ac.mode": "partial", "plugins.ac.every": "0", "plugins.ac.save_ops": "[not_an_op]",
+    "plugins.ac.matmuls": ("half", "2"),
     "plugins.checkpoint.folder": "7", "plugins.checkpoint.interval": "-1", "plugins.checkpoint.keep_latest_k": "-1",
     "plugins.checkpoint.async_save": "1", "plugins.checkpoint.async_writer": "fork",
     "plugins.checkpoint.load_path": ("/nonexistent/run", "7"),
