@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from titan_core.testing import LOSS_TOL, config_error, error_line, install_plugins, run_job, write_hf_folder
+from titan_core.testing import LOSS_TOL, PARAM_TOL, config_error, error_line, install_plugins, run_job, write_hf_folder
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
