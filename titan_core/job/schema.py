@@ -29,19 +29,18 @@ CORE_SECTIONS = ("training", "optimizer", "lr_scheduler", "data", "validation", 
 CORE_NULLABLE = ("training.max_norm",)
 
 
-def conf_packages() -> list[str]:
-    """The config packages the installed distributions name, each importable: a distribution whose code is gone
-    (an editable install whose folder moved) is one line naming it, not a traceback."""
-    packages = []
+def conf_packages() -> list:
+    """The config packages of the core and of the installed distributions: a distribution whose code is gone (an
+    editable install whose folder moved) is one line naming it, not a traceback."""
+    packages = [files(CORE_CONF)]
     for ep in entry_points(group=CONF_GROUP):
         try:
-            files(ep.value)
+            packages.append(files(ep.value))
         except ModuleNotFoundError as error:
             raise ConfigError(f"plugins.{ep.name}", f"the installed distribution {distribution_name(ep)} names the "
                               f"config package '{ep.value}', which cannot be imported ({error})",
                               f"reinstall {distribution_name(ep)} (pip install -e <its folder>) or pip uninstall "
                               f"{distribution_name(ep)}") from None
-        packages.append(ep.value)
     return packages
 
 
@@ -49,8 +48,8 @@ def option_files(group: str) -> dict:
     """The ``<group>/<name>.yaml`` files (``plugins``, ``model``) that the core and the installed
     distributions ship, by name."""
     found = {}
-    for package in (CORE_CONF, *conf_packages()):
-        folder = files(package).joinpath(group)
+    for package in conf_packages():
+        folder = package.joinpath(group)
         if folder.is_dir():
             found |= {f.name[:-5]: f for f in folder.iterdir() if f.name.endswith(".yaml")}
     return found

@@ -43,7 +43,7 @@ class ModelFacts:
     of ``block_saved[i]`` shaped like that stream, or flattened to rows of its width (what tensor parallel leaves
     whole: it splits heads and hidden units, not the stream); ``block_made[i]``: bytes per token of the results
     of each aten op of block ``i``, by op name (what selective checkpointing chooses among), and of its 1st,
-    3rd, ... matmuls under ``ALTERNATE_MATMULS``;
+    3rd, ... matmuls (:meth:`made_by` with ``every_other_matmul``);
     ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
     ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
@@ -74,10 +74,14 @@ class ModelFacts:
     def params(self) -> int:
         return sum(self.block_params) + self.inputs_params + self.outputs_params + self.other_params
 
-    def made_by(self, index: int, ops) -> float:
+    def made_by(self, index: int, ops, every_other_matmul: bool = False) -> float:
         """Bytes per token of block ``index``'s results of the named aten ops (``attention``: the attention's
-        output and log-sum-exp, whichever kernel computes it)."""
-        return sum(nbytes for op, nbytes in self.block_made[index].items() if op in ops)
+        output and log-sum-exp, whichever kernel computes it); of its matmuls among them only the 1st, 3rd, ...
+        with ``every_other_matmul``."""
+        made = self.block_made[index]
+        if every_other_matmul and set(ops) & set(MATMULS):
+            ops = [op for op in ops if op not in MATMULS] + [ALTERNATE_MATMULS]
+        return sum(nbytes for op, nbytes in made.items() if op in ops)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -19,7 +19,6 @@ STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their col
 MODES = ("full", "selective_op", "selective_layer")
 MATMUL_POLICIES = ("all", "every_other")  # of the matmuls save_ops names, keep all or the 1st, 3rd, ... (TorchTitan's)
 MATMULS = ("mm", "_scaled_mm")
-ALTERNATE_MATMULS = "every other matmul"  # the planner's name for those kept (its facts' block_made)
 # Profiler ranges are markers, not results. FSDP opens them in its hooks, which run a different number of
 # times in forward and in recomputation when an FSDP unit sits inside a checkpointed block (expert
 # parallel's experts): counted as ops, they failed backward with "invocation index ... not found".
@@ -117,10 +116,9 @@ def estimate_costs(estimate, plugin_config):
     checkpointed = [i for i in estimate.blocks if mode != "selective_layer" or i % every == 0]
     if mode == "selective_op":
         ops = {"attention" if "attention" in op else op for op in plugin_config.save_ops}
-        if plugin_config.matmuls == "every_other":
-            ops = ops - set(MATMULS) | {ALTERNATE_MATMULS}
+        alternate = plugin_config.matmuls == "every_other"
         estimate.keep = lambda index, saved, stream: min(
-            saved, stream + estimate.facts.made_by(index, ops) / estimate.activation_split)
+            saved, stream + estimate.facts.made_by(index, ops, alternate) / estimate.activation_split)
         # The recomputed ops are the elementwise ones: their FLOPs are negligible, their memory traffic is not.
         estimate.elementwise_passes += 1
     else:

@@ -44,21 +44,14 @@ def assign_owners(costs: list[int], ranks: int) -> list[int]:
     return owners
 
 
-def _coordinate_of(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    coordinate = []
-    for ranks in reversed(mesh_shape):
-        rank, c = divmod(rank, ranks)
-        coordinate.append(c)
-    return tuple(reversed(coordinate))
-
-
 class OwnerExchange:
     """The owners of matrices of ``shapes`` on ``mesh`` (by ``costs``, the work each takes), and their exchange."""
 
     def __init__(self, mesh, shapes: list[torch.Size], costs: list[int]):
         self.mesh, self.shapes = mesh, [torch.Size(s) for s in shapes]
         self.mesh_shape, self.coordinate = tuple(mesh.shape), tuple(mesh.get_coordinate())
-        self.owners = [_coordinate_of(r, self.mesh_shape) for r in assign_owners(costs, math.prod(self.mesh_shape))]
+        owners = torch.unravel_index(torch.tensor(assign_owners(costs, math.prod(self.mesh_shape))), self.mesh_shape)
+        self.owners = [tuple(int(c) for c in coordinate) for coordinate in zip(*owners)]
         self.received_bytes = 0  # by this rank in the last gather and scatter, from other ranks
 
     def _holding(self, dim: int) -> list[int]:
