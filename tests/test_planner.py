@@ -261,6 +261,40 @@ def test_an_outsiders_plugin_contributes_its_own_terms(tmp_path):
     assert "not counted" not in done.stdout
 
 
+# An optimizer plugin as docs/writing-plugins.md describes one: plain SGD, and the FLOPs it says its step runs.
+MATRIX_OPTIMIZER = '''
+import torch
+from titan_core import hookimpl
+
+
+@hookimpl
+def build_optimizer(model_parts, config, plugin_config):
+    """matrixsgd: SGD over every trainable parameter."""
+    trained = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    return torch.optim.SGD(trained, lr=config.optimizer.lr)
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """matrixsgd: the matrix products its step runs, per rank."""
+    estimate.optimizer_flops = plugin_config.flops
+'''
+
+
+def test_an_outsiders_optimizer_flops_lengthen_the_step_at_the_matmul_rate(tmp_path):
+    env = install_plugins(tmp_path / "site", {"matrixsgd": (MATRIX_OPTIMIZER, "flops: 0.0\n")}, "matrixsgd-plugin")
+    a100 = hardware_profile("a100")
+
+    def matmul_seconds(flops):
+        done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[matrixsgd]", f"plugins.matrixsgd.flops={flops}",
+                             env=env)
+        assert done.returncode == 0, done.stderr
+        return float(done.stdout.split("= matmul ")[1].split(",")[0])
+
+    longer = matmul_seconds(3e13) - matmul_seconds(0.0)
+    assert longer == pytest.approx(3e13 / (a100.peak_tflops() * 1e12 * a100.achievable), rel=1e-3)
+
+
 SPLIT_STREAM = '''
 from titan_core import hookimpl
 
