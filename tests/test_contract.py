@@ -89,7 +89,8 @@ def describe_model(model_config, vocab_size, seq_len):
     return ModelDescription(family="bare", args=(vocab_size, model_config.dim, model_config.layers, seq_len, experts,
                                                  model_config.z_loss),
                             n_layers=model_config.layers, blocks="stack", attention=CORE_ATTENTION,
-                            experts=ExpertsLayout(module="moe.experts", count=experts) if experts else None,
+                            experts=ExpertsLayout(module="moe.experts", count=experts, linears=("up", "down"))
+                            if experts else None,
                             param_init=lambda name: ParamInit.constant(0.0) if name.endswith("bias")
                             else ParamInit.normal(0.02),
                             flops_per_token=lambda seq: 6.0 * seq)
@@ -173,6 +174,22 @@ def test_an_outside_mixture_of_experts_trains_expert_parallel_like_one_process(t
     assert "holds experts 2-3 of 4 in each of 2 blocks" in (result.run_dir / "logs" / "rank1.log").read_text()
     report = compare(result, reference)
     assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+
+
+@pytest.mark.slow
+def test_lora_adapts_an_outside_models_experts_named_in_its_description(tmp_path, outsiders):
+    """``ExpertsLayout.linears`` names the experts' stacked linears (docs/writing-models.md): lora gives each
+    expert its own pair on each, which trains (B leaves zero) and is split by expert under ep like the weights,
+    as one process trains it."""
+    lora = [*BARE, "model.experts=4", "plugins.lora.targets=[experts]", "plugins.lora.rank=2",
+            "plugins.lora.export=false"]
+    reference = run_job([*lora, "+plugins=[lora]"], tmp_path / "one", env=outsiders)
+    result = run_job([*lora, "+plugins=[fsdp,ep,lora]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"],
+                     tmp_path / "ep", env=outsiders)
+    report = compare(result, reference)
+    assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+    b = reference.final_weights()["stack.0.moe.experts.up_lora_B"]
+    assert b.shape == (4, 64, 2) and b.abs().min(-1).values.min() > 0  # every expert's B trained
 
 
 @pytest.mark.slow

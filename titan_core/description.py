@@ -95,10 +95,15 @@ class ExpertsLayout:
     residual stream (its first argument, (batch, seq, hidden)), it routes, runs the experts and any
     shared expert, and computes every token independently of the others. Tensor parallel relies on that:
     it gives each of its ranks a share of the layer's tokens instead of a share of its weights.
+
+    ``linears`` (optional) names the module's parameters that are stacks of per-expert linear weights,
+    (experts, out features, in features), expert ``e``'s applied as ``F.linear(x, weight[e])``, each read
+    by the module's forward as an attribute on every call: what LoRA adapts when asked for ``experts``.
     """
 
     module: str
     count: int
+    linears: tuple[str, ...] = ()
 
     @property
     def layer(self) -> str:

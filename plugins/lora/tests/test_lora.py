@@ -261,11 +261,83 @@ def test_a_bfloat16_base_changes_nothing_under_bfloat16_compute_and_trains_under
     assert 0 < drift <= BF16_BASE_TOL and runs["bf16-fsdp"][0][-1] < runs["bf16-fsdp"][0][0] - 0.2
 
 
+def qwen3_moe() -> torch.nn.Module:
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        vocab_size=2048, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=False))
+
+
+EXPERT_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def experts_start(tmp_path_factory):
+    """A Qwen3-MoE folder transformers wrote (each expert's projections apart, as released), a PEFT adapter on its
+    attention and on its experts' stacked weights (``target_parameters``, B not zero), and one process's run."""
+    root = tmp_path_factory.mktemp("lora-experts")
+    base = write_hf_folder(qwen3_moe(), root / "base")
+    torch.manual_seed(2)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=MODULES[:4],
+                                                target_parameters=EXPERT_STACKS, init_lora_weights=False))
+    model.save_pretrained(root / "adapter")
+    (root / "batches").mkdir()
+    env = install_plugins(root / "site", {"recorder": (RECORDER, "out: null\n")}, distribution="recorder",
+                          plugin_objects={"recorder": "Recorder"})
+    one = run_job(lora_job(base, root / "adapter", "plugins.lora.targets=[attention,experts]",
+                           f"plugins.recorder.out={root / 'batches'}", plugins=",recorder"), root / "one", env=env)
+    return base, root / "adapter", one
+
+
+@pytest.mark.slow
+def test_adapters_on_experts_train_as_peft_does_and_under_expert_parallel_like_one_process(experts_start, tmp_path):
+    """Each expert of each block gets its own pair on each stacked weight: from PEFT's adapter, our losses are
+    PEFT's (``target_parameters``), PEFT reads our export as the model we trained, and two ranks splitting the
+    experts (fsdp 2 x ep 2) train as one process. The checkpoint holds the factors, not the frozen stacks."""
+    base, adapter, one = experts_start
+    model, expected = peft_training(base, adapter, one.run_dir.parent / "batches")
+    ours = losses(one.run_dir)
+    print(f"experts: losses, ours vs PEFT: {ours} vs {expected}; max diff "
+          f"{max(abs(a - b) for a, b in zip(ours, expected)):.2e}")
+    assert len(ours) == STEPS and max(abs(a - b) for a, b in zip(ours, expected)) <= 1e-5
+    assert ours[-1] < ours[0] - 0.05
+
+    exported = one.run_dir / f"adapter-step-{STEPS}"
+    assert json.loads((exported / "adapter_config.json").read_text())["target_parameters"] == EXPERT_STACKS
+    reread = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                            exported).eval()
+    with torch.no_grad():
+        trained, read_back = model(TOKENS).logits, reread(TOKENS).logits
+    print(f"PEFT reading our expert adapters vs its own training: {(read_back - trained).abs().max().item():.2e}")
+    assert (read_back - trained).abs().max().item() <= TRAJECTORY_TOLERANCE
+
+    folder = one.run_dir / "checkpoints" / f"step-{STEPS}"
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    stacks = sorted(k for k in saved if k.startswith("model.") and ".experts." in k)
+    assert stacks == sorted(f"model.layers.{block}.mlp.experts.{stack}_lora_{which}"
+                            for block in (0, 1) for stack in ("gate_up_proj", "down_proj") for which in "AB")
+    # (experts, rank, in) and (experts, out, rank): 4 x 4 x (64 + 64) + 4 x 4 x (32 + 64), a block
+    assert sum(saved[k].size.numel() for k in stacks) == 2 * (4 * 4 * (64 + 64) + 4 * 4 * (32 + 64))
+
+    split = run_job(lora_job(base, adapter, "plugins.lora.targets=[attention,experts]", "plugins.fsdp.degree=2",
+                             "plugins.ep.degree=2", plugins=",fsdp,ep"), tmp_path / "ep")
+    diff = max(abs(a - b) for a, b in zip(losses(split.run_dir), ours))
+    files = [load_file(run / f"adapter-step-{STEPS}" / "adapter_model.safetensors") for run in (split.run_dir, one.run_dir)]
+    drift = max((files[0][k] - files[1][k]).abs().max().item() for k in files[1])
+    print(f"fsdp 2 x ep 2 vs one process: losses {diff:.2e}, exported adapters {drift:.2e}")
+    assert files[0].keys() == files[1].keys() and diff <= LOSS_TOL and drift <= PARAM_TOL
+
+    merged = subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(exported), str(tmp_path / "m")],
+                            capture_output=True, text=True)
+    assert merged.returncode == 1 and "merge it with PEFT" in merged.stderr.strip().splitlines()[-1]
+
+
 def test_what_lora_cannot_do_is_refused(start):
     base, adapter = start
     job = ["model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]"]
     error = config_error(*job, "plugins.lora.targets=[experts]")
-    assert error.field == "plugins.lora.targets" and "experts are grouped tensors" in str(error)
+    assert error.field == "plugins.lora.targets" and "does not describe experts, which lora on experts" in str(error)
     assert "unknown target 'attn'" in str(config_error(*job, "plugins.lora.targets=[attn]"))
     assert str(config_error(*job, "plugins.lora.base_dtype=bfloat16")) == (
         "plugins.lora.base_dtype: a bfloat16 base needs bfloat16 compute or a plugin's mixed precision, and this job "

@@ -26,6 +26,11 @@ PEFT_PREFIX = "base_model.model."
 def adapter_updates(adapter: Path) -> dict[str, torch.Tensor]:
     """``scale * B @ A`` of every adapted weight, by the base folder's tensor name."""
     config = json.loads((adapter / "adapter_config.json").read_text())
+    if config.get("target_parameters"):
+        # A folder may store an expert stack as one tensor or as every expert's projections apart: only the
+        # model's own loader knows which.
+        raise ValueError(f"{adapter} adapts stacked expert weights ({config['target_parameters'][0]}, ...), which "
+                         "this tool does not merge: merge it with PEFT (PeftModel.merge_and_unload, then save_pretrained)")
     scale = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
     tensors = load_file(adapter / "adapter_model.safetensors")
     updates = {}
