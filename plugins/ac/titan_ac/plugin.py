@@ -130,5 +130,5 @@ def estimate_costs(estimate, plugin_config):
 
 @hookimpl
 def plan_options():
-    """ac: off, selective (the matmuls' results kept) or full."""
-    return [None, {"mode": "selective_op"}, {"mode": "full"}]
+    """ac: off, selective (all the matmuls' results kept, or every other one's: TorchTitan's) or full."""
+    return [None, {"mode": "selective_op"}, {"mode": "selective_op", "matmuls": "every_other"}, {"mode": "full"}]
