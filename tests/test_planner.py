@@ -18,7 +18,7 @@ from titan_core.errors import ConfigError
 from titan_core.parameter_roles import parameter_role
 from titan_core.plugins import Registry, build_meta_model, build_plan
 from titan_core.planner.cli import job_estimate
-from titan_core.planner.costs import estimate
+from titan_core.planner.costs import estimate, report
 from titan_core.planner.estimate import GIB, evaluated
 from titan_core.planner.hardware import Hardware, hardware_profile
 from titan_core.testing import compose, install_plugins
@@ -479,6 +479,21 @@ def test_recommend_puts_first_the_best_published_plan_of_the_seeds_8b_on_8_gpus(
     first = text.splitlines()[1].split()
     assert "+plugins=[fsdp,ac,compile,float8]" in first and "plugins.ac.matmuls=every_other" in first, text
     assert float(first[0].replace(",", "")) == pytest.approx(8532, rel=0.05)
+
+
+def test_the_estimate_says_by_how_much_it_fits_and_how_far_off_the_planner_has_been():
+    *_, small = _estimate()
+    total = sum(small.most_loaded().memory().values())
+    room = CPU.usable_gib * GIB - total
+    text = report(small)
+    assert f"(fits, {room / GIB:.2f} GiB to spare, in the {CPU.usable_gib:.1f} GiB a plan may fill of 16.0)" in text
+    assert text.splitlines()[-1] == ("  expected error (against 27 plans tracked on this CPU and 8 step-time ratios, "
+                                     "docs/planner.md): memory mean 1%, worst -4%; tokens/s mean 14%, worst -22%")
+    tight = dataclasses.replace(small, hardware=dataclasses.replace(CPU, memory_gib=total / GIB, device_type="cuda"))
+    over = total - tight.hardware.usable_gib * GIB
+    text = report(tight)
+    assert f"(DOES NOT FIT, {over / 2**20:.2f} MiB over, in the" in text
+    assert "against 17 published Llama 3.1 runs on H100s" in text.splitlines()[-1]
 
 
 def test_recommend_says_when_nothing_fits():

@@ -1,17 +1,16 @@
 """What a model tells the rest of titan-core about itself: the model contract.
 
-A model plugin returns a :class:`ModelDescription` from its ``describe_model`` hook. Every parallelism
-plugin reads this description instead of knowing a model's module names: FSDP and activation
-checkpointing wrap the modules of ``blocks``, pipeline parallel keeps some blocks and drops ``inputs`` or
-``outputs`` per stage, tensor parallel applies ``tensor_parallel``, context parallel splits the
-``position_buffers`` and relies on the ``attention`` seam, float8 skips ``float8_skip``, expert parallel
-splits ``experts``, the core initializes each shard by ``param_init`` and computes MFU from
-``flops_per_token``, the checkpoint plugin maps names through ``hf``. A field left at None means "this model does not support it", and the plugin
-that needs it refuses before launch with one line naming the field.
+A model plugin returns a :class:`ModelDescription` from its ``describe_model`` hook. Every parallelism plugin reads
+this description instead of knowing a model's module names: FSDP and activation checkpointing wrap the modules of
+``blocks``, pipeline parallel keeps some blocks and drops ``inputs`` or ``outputs`` per stage, tensor parallel
+applies ``tensor_parallel``, context parallel splits the ``position_buffers`` and relies on the ``attention`` seam,
+float8 skips ``float8_skip``, expert parallel splits ``experts``, the core initializes each shard by ``param_init``
+and computes MFU from ``flops_per_token``, the checkpoint plugin maps names through ``hf``. A field left at None
+means "this model does not support it": the plugin that needs it refuses before launch in one line naming it.
 
-Paths are dotted attribute paths (``transformer.h``): ``blocks``, ``inputs``, ``outputs``, ``position_buffers``
-and the tensor-parallel root paths from the model's root, the tensor-parallel ``block_*`` paths from one
-block (as ``block.named_modules()`` names them).
+Paths are dotted attribute paths (``transformer.h``): ``blocks``, ``inputs``, ``outputs``, ``position_buffers`` and
+the tensor-parallel root paths from the model's root, the tensor-parallel ``block_*`` paths from one block (as
+``block.named_modules()`` names them).
 """
 
 from __future__ import annotations
@@ -54,17 +53,16 @@ class ParamInit:
 class TensorParallelLayout:
     """How the tensor-parallel plugin splits this model (Megatron style), by module path.
 
-    Inside each block: ``block_colwise`` linears are split by output features (whole heads, slices of the
-    hidden units), ``block_rowwise`` linears by input features (their outputs are summed back into the
-    residual stream), ``block_norms`` are norms on the residual stream (split along the sequence under
-    sequence parallel, replicated otherwise), ``head_norms`` are norms applied per head to a
-    (batch, seq, heads, head_dim) tensor (QK-norm: each rank normalizes its own heads), and
-    ``block_regions`` are the sub-modules entered from the residual stream, whose first positional argument
-    is the stream (sequence parallel gathers it there; compile compiles them one by one under TP).
-    On the root: ``embeddings`` are lookup tables split by rows (vocabulary or positions; their input ids
-    are replicated and their output is the residual stream), ``final_norms`` norms on the stream,
-    ``output`` the linear producing the logits (split by vocabulary; loss parallel keeps it split).
-    ``divisible`` maps a config field to the count the tp degree must divide (attention heads).
+    Inside each block: ``block_colwise`` linears are split by output features (whole heads, slices of the hidden
+    units), ``block_rowwise`` linears by input features (their outputs are summed back into the residual stream),
+    ``block_norms`` are norms on the residual stream (split along the sequence under sequence parallel, replicated
+    otherwise), ``head_norms`` are norms applied per head to a (batch, seq, heads, head_dim) tensor (QK-norm: each
+    rank normalizes its own heads), and ``block_regions`` are the sub-modules entered from the residual stream,
+    whose first positional argument is the stream (sequence parallel gathers it there; compile compiles them one by
+    one under TP). On the root: ``embeddings`` are lookup tables split by rows (vocabulary or positions; their input
+    ids are replicated and their output is the residual stream), ``final_norms`` norms on the stream, ``output`` the
+    linear producing the logits (split by vocabulary; loss parallel keeps it split). ``divisible`` maps a config
+    field to the count the tp degree must divide (attention heads).
     """
 
     block_colwise: tuple[str, ...]
@@ -82,23 +80,22 @@ class TensorParallelLayout:
 class ExpertsLayout:
     """Where a mixture-of-experts model keeps its experts, for expert parallel.
 
-    ``module`` is the path, inside one block, of the module holding every expert of that block
-    (``mlp.experts``); blocks without it (dense ones) are left alone. ``count`` is the number of experts
-    of each such module. The module's contract: ``forward(tokens, counts)`` takes the token copies sorted
-    by expert, (n, hidden), and how many go to each expert, an integer tensor of the module's expert
-    count, and returns their outputs (n, hidden) in the same order; each of its parameters has the expert
-    index as its first dimension and no expert's output depends on another's tokens. Expert parallel
-    leaves each rank a contiguous slice of the experts (the module then sees its parameters' slice and
-    counts of the same length) and moves the tokens to them and back.
+    ``module`` is the path, inside one block, of the module holding every expert of that block (``mlp.experts``);
+    blocks without it (dense ones) are left alone. ``count`` is the number of experts of each such module. The
+    module's contract: ``forward(tokens, counts)`` takes the token copies sorted by expert, (n, hidden), and how
+    many go to each expert, an integer tensor of the module's expert count, and returns their outputs (n, hidden) in
+    the same order; each of its parameters has the expert index as its first dimension and no expert's output
+    depends on another's tokens. Expert parallel leaves each rank a contiguous slice of the experts (the module then
+    sees its parameters' slice and counts of the same length) and moves the tokens to them and back.
 
-    The module's parent (``layer``, ``mlp``) is the whole mixture-of-experts sub-layer: entered from the
-    residual stream (its first argument, (batch, seq, hidden)), it routes, runs the experts and any
-    shared expert, and computes every token independently of the others. Tensor parallel relies on that:
-    it gives each of its ranks a share of the layer's tokens instead of a share of its weights.
+    The module's parent (``layer``, ``mlp``) is the whole mixture-of-experts sub-layer: entered from the residual
+    stream (its first argument, (batch, seq, hidden)), it routes, runs the experts and any shared expert, and
+    computes every token independently of the others. Tensor parallel relies on that: it gives each of its ranks a
+    share of the layer's tokens instead of a share of its weights.
 
-    ``linears`` (optional) names the module's parameters that are stacks of per-expert linear weights,
-    (experts, out features, in features), expert ``e``'s applied as ``F.linear(x, weight[e])``, each read
-    by the module's forward as an attribute on every call: what LoRA adapts when asked for ``experts``.
+    ``linears`` (optional) names the module's parameters that are stacks of per-expert linear weights, (experts, out
+    features, in features), expert ``e``'s applied as ``F.linear(x, weight[e])``, each read by the module's forward
+    as an attribute on every call: what LoRA adapts when asked for ``experts``.
     """
 
     module: str
@@ -115,15 +112,14 @@ class ExpertsLayout:
 class HFAdapter:
     """How the model reads and writes a Hugging Face folder (``config.json`` + safetensors).
 
-    ``config`` is the folder's config.json for this model, without the dtype fields. ``to_hf`` maps a
-    canonical parameter name to the file's tensor name; ``from_hf`` maps back (None for tensors the
-    model does not hold). ``tied`` maps a parameter to the one it is copied from when the file lacks it
-    (tied word embeddings). ``options_from_hf`` turns a config.json into this model's options
-    (``model.*`` fields), for converting a downloaded model into a titan-core preset. ``pieces`` reads
-    folders that store a stacked parameter as many tensors (released mixture-of-experts checkpoints keep
-    each expert's projections apart): for a canonical name, the file tensors of each index of its first
-    dimension, concatenated along their own first dimension, or None when it is stored whole; ``from_hf``
-    returns None for those pieces.
+    ``config`` is the folder's config.json for this model, without the dtype fields. ``to_hf`` maps a canonical
+    parameter name to the file's tensor name; ``from_hf`` maps back (None for tensors the model does not hold).
+    ``tied`` maps a parameter to the one it is copied from when the file lacks it (tied word embeddings).
+    ``options_from_hf`` turns a config.json into this model's options (``model.*`` fields), for converting a
+    downloaded model into a titan-core preset. ``pieces`` reads folders that store a stacked parameter as many
+    tensors (released mixture-of-experts checkpoints keep each expert's projections apart): for a canonical name,
+    the file tensors of each index of its first dimension, concatenated along their own first dimension, or None
+    when it is stored whole; ``from_hf`` returns None for those pieces.
     """
 
     config: Mapping[str, Any]
@@ -141,8 +137,7 @@ class ModelDescription:
     Required:
       ``family``: the model plugin's name (``model.name``).
       ``args``: the model's own resolved options; the core hands them back to ``build_model``.
-      ``n_layers``: how many blocks ``blocks`` holds, keyed "0" .. "n_layers - 1" (global indices, kept
-      by pipeline stages so that parameter names never change).
+      ``n_layers``: how many blocks ``blocks`` holds, keyed "0" .. "n_layers - 1" (kept by stages: names never change).
       ``param_init(name) -> ParamInit``: the initial distribution of a parameter, by canonical name.
       ``flops_per_token(seq_len)``: training FLOPs per token, for MFU.
 

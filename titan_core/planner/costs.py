@@ -10,6 +10,7 @@ from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
 from titan_core.options import compute_dtype
 from titan_core.plan import Plan
+from titan_core.planner.accuracy import error_band
 from titan_core.planner.estimate import CATEGORIES, GIB, Estimate, evaluated
 from titan_core.planner.facts import model_facts, optimizer_facts
 from titan_core.planner.hardware import Hardware, by_device_name, cpu_measured
@@ -60,9 +61,7 @@ def report(result: Estimate) -> str:
     shape = " x ".join(f"{d} {n}" for d, n in plan.mesh_shape.items()) or "one process"
     lines = [f"titan-core estimate: {plan.model.family}, world {plan.world_size} ({shape}), "
              f"{hardware.name} ({hardware.memory_gib:.1f} GiB, {hardware.peak_tflops():.3g} TFLOPS bf16 dense)",
-             f"  memory per rank (the most loaded), at its peak: {_size(total)} "
-             f"({'fits' if total / GIB <= hardware.usable_gib else 'DOES NOT FIT'} in the {hardware.usable_gib:.1f} "
-             f"GiB a plan may fill of {hardware.memory_gib:.1f})"]
+             f"  memory per rank (the most loaded), at its peak: {_size(total)} ({_fit(total, hardware)})"]
     for category in CATEGORIES:
         lines.append(f"    {category:<12} {_size(memory[category]):>11}" + (
             "  (made in backward as the activations are freed)" if category == "gradients" and not memory[category]
@@ -85,7 +84,15 @@ def report(result: Estimate) -> str:
                      f"at {result.link_gbps(c.dims):.0f} GB/s{' (overlapped)' if c.overlapped else ''}")
     if result.not_counted:
         lines.append(f"  not counted (no estimate_costs hook): {', '.join(result.not_counted)}")
+    band = error_band(hardware.device_type)
+    lines.append(f"  {band.describe()}" if band else f"  expected error: not measured on {hardware.device_type} devices")
     return "\n".join(lines)
+
+
+def _fit(total: float, hardware: Hardware) -> str:
+    room = hardware.usable_gib * GIB - total
+    verdict = f"fits, {_size(room)} to spare," if room >= 0 else f"DOES NOT FIT, {_size(-room)} over,"
+    return f"{verdict} in the {hardware.usable_gib:.1f} GiB a plan may fill of {hardware.memory_gib:.1f}"
 
 
 def estimate_here(config, plan: Plan) -> str:
