@@ -11,8 +11,10 @@ from importlib.metadata import entry_points
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
+from titan_core.job.schema import CONF_GROUP
+
 
 class PluginConfigSearchPath(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        for ep in sorted(entry_points(group="titan_core.conf"), key=lambda ep: ep.name):
-            search_path.append(provider=f"titan_core.conf.{ep.name}", path=f"pkg://{ep.value}")
+        for ep in sorted(entry_points(group=CONF_GROUP), key=lambda ep: ep.name):
+            search_path.append(provider=f"{CONF_GROUP}.{ep.name}", path=f"pkg://{ep.value}")
