@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf
 from titan_core.testing import init_weights
-from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, error_line, model_conformance, run_job
+from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, config_error, error_line, merged, \
+    model_conformance, run_job
 from titan_qwen3.moe import MoE, Qwen3Moe
 from titan_qwen3.moe_plugin import describe, qwen3_moe_args
 
@@ -93,6 +94,34 @@ def test_deepseek_routing_equals_a_token_by_token_loop():
     torch.testing.assert_close(with_bias, loop_reference(moe, x), rtol=1e-5, atol=1e-5)
     assert (with_bias - without_bias).abs().max() > 1e-2
     assert moe.tokens_since_update[0] == 21 and moe.tokens_since_update[7] == 0
+
+
+def test_group_limited_routing_chooses_and_weighs_as_transformers_deepseek_v3_router():
+    """DeepSeek-V3's router (sigmoid scores, a bias that only chooses, 4 groups of 2 experts of which a token sees the
+    best 2, weights renormalized then scaled by 2.5) picks transformers' experts with its weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    moe = MoE(args(score_function="sigmoid", router_bias_update_rate=1e-3, n_group=4, topk_group=2,
+                   routed_scaling_factor=2.5))
+    theirs = DeepseekV3TopkRouter(transformers.DeepseekV3Config(
+        hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5))
+    torch.manual_seed(0)
+    moe.gate.weight.data.normal_(0, 0.2)
+    theirs.weight.data.copy_(moe.gate.weight.data)
+    bias = torch.tensor([0.3, 0, 0, -0.3, 0.2, 0, 0, 0])
+    moe.gate.expert_bias.copy_(bias)
+    theirs.e_score_correction_bias.copy_(bias)
+    x = torch.randn(64, 64)
+    weights, experts, _ = moe.gate(x)
+    _, their_weights, their_experts = theirs(x)
+    order, their_order = experts.sort(-1), their_experts.sort(-1)
+    assert torch.equal(order.values, their_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), their_weights.gather(-1, their_order.indices))
+    ungrouped = MoE(args(score_function="sigmoid", router_bias_update_rate=1e-3, routed_scaling_factor=2.5))
+    ungrouped.gate.load_state_dict(moe.gate.state_dict())
+    assert not torch.equal(ungrouped.gate(x)[1].sort(-1).values, order.values)  # the groups changed some choices
 
 
 def test_balance_loss_adds_the_gradient_of_its_formula():
@@ -310,6 +339,19 @@ def test_refused_before_launch(tmp_path, overrides, message):
     result = run_job([*TINY, "model=qwen3_moe_tiny", *overrides, "launch.dry_run=true"], tmp_path / "run",
                      expect_success=False)
     assert error_line(result) == f"titan-core: error: {message}"
+
+
+@pytest.mark.parametrize("overrides, field, message", [
+    (["model.n_group=3"], "model.n_group", "3 groups do not divide 8 experts"),
+    (["model.n_group=8"], "model.n_group", "groups of 1 expert"),
+    (["model.n_group=4", "model.topk_group=5"], "model.topk_group", "5 of 4 groups"),
+    (["model.n_group=4", "model.topk_group=1", "model.num_experts_per_tok=3"], "model.topk_group",
+     "cannot hold 3 chosen experts"),
+    (["model.routed_scaling_factor=0"], "model.routed_scaling_factor", "0 is not positive"),
+])
+def test_a_bad_group_routing_option_is_one_line(overrides, field, message):
+    error = config_error(*merged(TINY, ["model=qwen3_moe_tiny", *overrides]))
+    assert error.field == field and message in str(error)
 
 
 @pytest.fixture

@@ -6,11 +6,14 @@ every expert it chose (dropless: no capacity, nothing dropped). The tokens are s
 experts' SwiGLU runs as one grouped matmul over all of them, never a Python loop over experts.
 
 DeepSeek-V3's routing is available as options: ``score_function=sigmoid`` (each expert scored on its own),
-``num_shared_experts`` (a SwiGLU every token goes through besides its chosen experts) and
+``num_shared_experts`` (a SwiGLU every token goes through besides its chosen experts),
 ``router_bias_update_rate`` (balancing without an auxiliary loss: a per-expert bias, added to the scores
 only to choose the experts, moves after every optimizer step by that rate toward the experts that
 received fewer tokens than the mean; the model plugin's ``after_optimizer_step`` does it over the global
-batch).
+batch), ``n_group`` / ``topk_group`` (group-limited routing: the experts fall into ``n_group`` groups, each
+ranked by the sum of its two best choice scores, and a token chooses only among the best ``topk_group``
+groups' experts, which bounds the nodes its copies travel to) and ``routed_scaling_factor`` (the chosen
+experts' weights multiplied by it, after any renormalization).
 
 ``router_aux_loss_coef`` adds the classic load-balancing loss instead (Switch Transformer, DeepSeek's
 normalization): per MoE layer and micro-batch of T tokens, E / (k T^2) * sum_i c_i S_i, where c_i counts
@@ -50,11 +53,15 @@ class Qwen3MoeArgs(Qwen3Args):
     num_shared_experts: int = 0  # DeepSeek-V3: 1, of moe_intermediate_size each
     router_bias_update_rate: float = 0.0  # DeepSeek-V3: 1e-3; 0 leaves the choice to the scores alone
     router_aux_loss_coef: float = 0.0  # load-balancing loss weight (transformers' name); 0: none
+    n_group: int = 1  # DeepSeek-V3: 8 groups of experts, a token choosing among the best topk_group of them
+    topk_group: int = 1  # DeepSeek-V3: 4
+    routed_scaling_factor: float = 1.0  # DeepSeek-V3: 2.5, on the chosen experts' weights
 
     @property
     def qwen3_routing(self) -> bool:
         """Whether transformers' Qwen3-MoE computes the same (no DeepSeek-V3 option in use)."""
-        return (self.score_function, self.num_shared_experts, self.router_bias_update_rate) == ("softmax", 0, 0.0)
+        return ((self.score_function, self.num_shared_experts, self.router_bias_update_rate, self.n_group,
+                 self.routed_scaling_factor) == ("softmax", 0, 0.0, 1, 1.0))
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
@@ -64,6 +71,7 @@ class TopKRouter(nn.Module):
     def __init__(self, args: Qwen3MoeArgs):
         super().__init__()
         self.top_k, self.normalize, self.score_function = args.num_experts_per_tok, args.norm_topk_prob, args.score_function
+        self.groups, self.chosen_groups, self.scale = args.n_group, args.topk_group, args.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
         # Saved with the weights, so that a resumed run keeps the balance it learned.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts) if args.router_bias_update_rate else None)
@@ -74,11 +82,20 @@ class TopKRouter(nn.Module):
         logits = F.linear(x, self.weight).float()
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.groups > 1:
+            choice = self.within_best_groups(choice)
         experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.type_as(x), experts, scores
+        return (weights * self.scale).type_as(x), experts, scores
+
+    def within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The choice scores with every expert outside the token's ``topk_group`` best groups at -inf."""
+        grouped = choice.unflatten(-1, (self.groups, -1))
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.chosen_groups, dim=-1).indices
+        kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(-1, best, True)
+        return grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
 
 
 class GroupedExperts(nn.Module):

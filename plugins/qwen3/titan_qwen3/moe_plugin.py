@@ -20,7 +20,8 @@ log = logging.getLogger("titan_core")
 FAMILY = "qwen3_moe"
 IDLE_WARNING_STEPS = 100  # an expert that no token chose for this many steps is reported once
 OPTIONS = tuple(f.name for f in dataclasses.fields(Qwen3MoeArgs) if f.name != "seq_len")
-DEEPSEEK_ROUTING = ("score_function", "num_shared_experts", "router_bias_update_rate")  # not in HF's Qwen3-MoE
+DEEPSEEK_ROUTING = ("score_function", "num_shared_experts", "router_bias_update_rate", "n_group", "topk_group",
+                    "routed_scaling_factor")  # not in HF's Qwen3-MoE
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -41,6 +42,20 @@ def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
     for field in ("num_shared_experts", "router_bias_update_rate", "router_aux_loss_coef"):
         if getattr(args, field) < 0:
             raise ConfigError(f"model.{field}", f"{getattr(args, field)} is negative", "use 0 (off) or more")
+    if args.n_group < 1 or args.num_experts % args.n_group:
+        raise ConfigError("model.n_group", f"{args.n_group} groups do not divide {args.num_experts} experts",
+                          "use 1 (no groups) or a divisor of model.num_experts")
+    per_group = args.num_experts // args.n_group
+    if args.n_group > 1 and per_group < 2:
+        raise ConfigError("model.n_group", f"groups of {per_group} expert: a group is ranked by its two best",
+                          "use groups of two experts or more")
+    if not 1 <= args.topk_group <= args.n_group or args.num_experts_per_tok > args.topk_group * per_group:
+        raise ConfigError("model.topk_group", f"{args.topk_group} of {args.n_group} groups of {per_group} experts "
+                          f"cannot hold {args.num_experts_per_tok} chosen experts",
+                          f"choose 1 to {args.n_group} groups holding at least model.num_experts_per_tok experts")
+    if not args.routed_scaling_factor > 0:
+        raise ConfigError("model.routed_scaling_factor", f"{args.routed_scaling_factor} is not positive",
+                          "use 1.0 (off) or DeepSeek-V3's 2.5")
     return args
 
 
