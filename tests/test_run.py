@@ -16,7 +16,7 @@ from titan_core.initialization import init_weights
 from titan_core.launch.main import _start_method
 from titan_llama3.model import Transformer
 from titan_llama3.plugin import llama_args, describe
-from titan_core.testing import TINY, run_job
+from titan_core.testing import TINY, install_plugins, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +95,32 @@ def test_only_one_thread_cpu_workers_fork_from_the_launcher():
     # A forked child after its parent's OpenMP work hangs computing with several threads; CUDA cannot be forked.
     assert _start_method(OmegaConf.merge(launch, {"cpu_threads_per_worker": 2})) == "forkserver"
     assert _start_method(OmegaConf.merge(launch, {"device": "cuda"})) == "forkserver"
+
+
+# Records, once the model is built, whether the worker's SIGHUP and SIGQUIT handlers are the defaults.
+SIGNALS = """
+import json
+import os
+import signal
+
+from titan_core import hookimpl
+
+
+@hookimpl
+def after_init(plugin_config):
+    with open(plugin_config.out + os.environ["RANK"], "w") as file:
+        json.dump([signal.getsignal(s) == signal.SIG_DFL for s in (signal.SIGHUP, signal.SIGQUIT)], file)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_forked_from_the_launcher_starts_from_the_default_signal_handlers(tmp_path):
+    """The elastic agent's handlers raise its SignalException: inherited, a SIGHUP would end a worker as a
+    traceback instead of the signal's own exit."""
+    env = install_plugins(tmp_path / "site", {"signals": (SIGNALS, "out: null\n")}, distribution="signals")
+    run_job([*TINY, "+plugins=[fsdp,signals]", "plugins.fsdp.degree=2", "training.steps=1",
+             f"plugins.signals.out={tmp_path / 'defaults'}"], tmp_path / "run", env=env)
+    assert [json.loads((tmp_path / f"defaults{rank}").read_text()) for rank in (0, 1)] == [[True, True]] * 2
 
 
 @pytest.mark.slow

@@ -32,6 +32,12 @@ log = logging.getLogger("titan_core")
 
 def worker_main(config_yaml: str, run_dir: str) -> None:
     """Entry point of a launched worker (module-level so that spawned interpreters can import it)."""
+    # A worker forked from the launcher inherits the elastic agent's handlers, which raise its SignalException
+    # (a SIGHUP would end as a traceback): it starts from Python's defaults, as a spawned one does; StopSignals
+    # takes SIGTERM and SIGINT over once the process group forms.
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stopped = train(OmegaConf.create(config_yaml), Path(run_dir))
     # At exit the interpreter collects and frees every object torch made (~1 s a process here); frozen ones
     # are left to the OS.
