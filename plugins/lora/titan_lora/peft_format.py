@@ -86,7 +86,8 @@ def read_peft(model_parts, folder: Path, description: ModelDescription) -> None:
             for stack in experts.lora_stacks:
                 for which in ("lora_A", "lora_B"):
                     stored = file.get_tensor(peft_stack_name(name, experts.lora_stacks, stack, which, description))
-                    copy_box(getattr(experts, f"{stack}_{which}"), from_peft_stack(stored, which, description.experts.count))
+                    copy_box(getattr(experts, f"{stack}_{which}"),
+                             from_peft_stack(stored, which, description.experts.count))
 
 
 def writes_for_its_stage(mesh) -> bool:
@@ -99,11 +100,12 @@ def export_peft(model_parts, folder: Path, options, description: ModelDescriptio
     each pipeline stage's first rank sends its own)."""
     linears = {peft_name(name, which, description): full(getattr(linear, which).weight)
                for name, linear in adapters(model_parts).items() for which in ("lora_A", "lora_B")}
+    adapted_experts = expert_adapters(model_parts)
     stacks = {peft_stack_name(name, experts.lora_stacks, stack, which, description):
               to_peft_stack(full(getattr(experts, f"{stack}_{which}")), which)
-              for name, experts in expert_adapters(model_parts).items()
+              for name, experts in adapted_experts.items()
               for stack in experts.lora_stacks for which in ("lora_A", "lora_B")}
-    targets = [peft_stack_target(name, stack, description) for name, experts in expert_adapters(model_parts).items()
+    targets = [peft_stack_target(name, stack, description) for name, experts in adapted_experts.items()
                for stack in experts.lora_stacks]
     shares = [None] * dist.get_world_size()
     dist.gather_object((linears, stacks, targets) if writes_for_its_stage(mesh) else None,
