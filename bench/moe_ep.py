@@ -1,6 +1,6 @@
-"""Qwen3-MoE with and without expert parallel at equal world size: step time, memory, all-to-all share.
+"""A MoE model with and without expert parallel at equal world size: step time, memory, all-to-all share.
 
-    flock /tmp/titan-cpu.lock python bench/moe_ep.py [--world 2] [--steps 12]
+    flock /tmp/titan-cpu.lock python bench/moe_ep.py [--model qwen3_moe|deepseek_v3] [--world 2] [--steps 12]
 
 1. Two training jobs of one MoE model on ``world`` CPU ranks: FSDP over all of them (every rank gathers
    every expert in turn), then FSDP with ep = world (each rank keeps 1/world of the experts whole, the
@@ -27,14 +27,23 @@ import torch.multiprocessing as mp
 
 from titan_core.testing import run_job
 
-MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-         "head_dim": 32, "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 32,
-         "num_experts_per_tok": 4, "mlp_only_layers": "[]"}
+EXPERTS = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512, "moe_intermediate_size": 256,
+           "num_experts": 32, "num_experts_per_tok": 4}
+# Each model: its preset and the options (beside EXPERTS) that make every block a MoE block of the same size.
+MODELS = {"qwen3_moe": ("qwen3_moe_tiny", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                                           "mlp_only_layers": "[]"}),
+          # DeepSeek-V3's routing (sigmoid, 4 groups of 8 choosing within the best 2, a shared expert, the bias).
+          "deepseek_v3": ("deepseek_v3_debug", {"first_k_dense_replace": 0})}
 SEQ, BATCH = 256, 8
 
 
-def job(plugins: list[str], world: int, steps: int, run_dir: Path) -> dict:
-    result = run_job(["model=qwen3_moe_tiny", *(f"model.{k}={v}" for k, v in MODEL.items()), "tokenizer.path=bytes",
+def model_options(model: str) -> dict:
+    return {**EXPERTS, **MODELS[model][1]}
+
+
+def job(model: str, plugins: list[str], world: int, steps: int, run_dir: Path) -> dict:
+    result = run_job([f"model={MODELS[model][0]}", *(f"model.{k}={v}" for k, v in model_options(model).items()),
+                      "tokenizer.path=bytes",
                       f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.steps={steps}",
                       "metrics.log_every=1", "metrics.tensorboard=false", "metrics.peak_tflops=1",
                       f"+plugins=[{','.join(plugins)}]", *(f"plugins.{p}.degree={world}" for p in plugins)],
@@ -44,18 +53,20 @@ def job(plugins: list[str], world: int, steps: int, run_dir: Path) -> dict:
             "memory_gib": max(m["memory_gib"] for m in result.metrics), "params_m": float(held.group(1))}
 
 
-def _layer_worker(rank: int, world: int, port: int, shares) -> None:
+def _layer_worker(rank: int, world: int, port: int, model: str, shares) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from titan_ep.plugin import shard_by_expert
     from titan_core.mesh import ParallelMesh
-    from titan_qwen3.moe import MoE
-    from titan_qwen3.moe_plugin import qwen3_moe_args
+    from titan_core import MoE, model_description
+    from titan_core.testing import compose
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    args = qwen3_moe_args({**MODEL, "mlp_only_layers": []}, vocab_size=256, seq_len=SEQ)
+    config = compose(f"model={MODELS[model][0]}", *(f"model.{k}={v}" for k, v in model_options(model).items()),
+                     "tokenizer.path=bytes", f"training.seq_len={SEQ}")
+    args = model_description(config, 256).args
     torch.manual_seed(0)
     moe = MoE(args)
     for param in moe.parameters():
@@ -78,16 +89,17 @@ def _layer_worker(rank: int, world: int, port: int, shares) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3_moe")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        fsdp = job(["fsdp"], args.world, args.steps, Path(tmp) / "fsdp")
-        ep = job(["fsdp", "ep"], args.world, args.steps, Path(tmp) / "ep")
+        fsdp = job(args.model, ["fsdp"], args.world, args.steps, Path(tmp) / "fsdp")
+        ep = job(args.model, ["fsdp", "ep"], args.world, args.steps, Path(tmp) / "ep")
     shares = mp.Manager().dict()
-    mp.spawn(_layer_worker, args=(args.world, 29517, shares), nprocs=args.world)
-    print(f"Qwen3-MoE {MODEL['num_experts']} experts, top {MODEL['num_experts_per_tok']}, hidden "
-          f"{MODEL['hidden_size']}, {args.world} CPU ranks, {SEQ}x{BATCH} tokens per step")
+    mp.spawn(_layer_worker, args=(args.world, 29517, args.model, shares), nprocs=args.world)
+    print(f"{args.model} {EXPERTS['num_experts']} experts, top {EXPERTS['num_experts_per_tok']}, hidden "
+          f"{EXPERTS['hidden_size']}, {args.world} CPU ranks, {SEQ}x{BATCH} tokens per step")
     for name, r in (("fsdp", fsdp), ("fsdp + ep", ep)):
         print(f"  {name:<10} step {r['step_s'] * 1e3:7.1f} ms  peak memory {r['memory_gib']:.3f} GiB  "
               f"parameters held {r['params_m']:.3g}M")

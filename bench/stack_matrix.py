@@ -31,7 +31,7 @@ RESUME_STEP = 3
 # Each factor: its values as (label, ranks it adds, overrides). "-" leaves the plugin out.
 FACTORS = {
     "model": [("llama3", 1, ("model=tiny",)), ("qwen3", 1, ("model=qwen3_tiny",)),
-              ("qwen3-moe", 1, ("model=qwen3_moe_tiny",))],
+              ("qwen3-moe", 1, ("model=qwen3_moe_tiny",)), ("deepseek-v3", 1, ("model=deepseek_v3_tiny",))],
     # Changes the model's function, so the single-process reference takes it too (see reference_overrides).
     "mask": [("-", 1, ()), ("block-causal", 1, ("training.attention_mask=block_causal",))],
     "dp": [("-", 1, ()), ("fsdp", 2, ("fsdp", "plugins.fsdp.degree=2")),
@@ -61,7 +61,7 @@ FACTORS = {
     "optimizer": [("-", 1, ()), ("muon", 1, ("muon", "plugins.muon.ns_dtype=float32"))],
 }
 MAX_RANKS = 8
-MODELS_WITHOUT_EXPERTS = {label for label, _, _ in FACTORS["model"]} - {"qwen3-moe"}
+MODELS_WITHOUT_EXPERTS = {label for label, _, _ in FACTORS["model"]} - {"qwen3-moe", "deepseek-v3"}
 LOSS_TOL, FLOAT8_LOSS_TOL = 1e-5, 1e-2
 
 

@@ -4,6 +4,7 @@ docs/writing-models.md and docs/writing-plugins.md, installed for the test."""
 import json
 
 import pytest
+import torch
 
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, compose, error_line, install_plugins, run_job
@@ -560,3 +561,88 @@ def test_training_data_from_a_plugin_without_validation_data_is_refused_when_val
         "plugin")
     trained = run_job([*TINY, "+plugins=[rows]", "training.steps=3"], tmp_path / "trained", env=env)
     assert trained.losses[2] < trained.losses[0] - 0.1  # the same rows each step: learnt by heart
+
+
+# A MoE model assembled from the core's building blocks, as docs/writing-models.md says: options deriving
+# MoeOptions, the core's MoE in every other block, the plugin object an ExpertRouting (its routing hooks and state).
+CORE_MOE_MODEL = """
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import nn
+
+from titan_core import (CORE_ATTENTION, ExpertRouting, ExpertsLayout, ModelDescription, MoE, MoeOptions, ParamInit,
+                        SwiGLU, causal_attention, check_moe_options, hookimpl, init_routing_buffers, read_options)
+
+
+@dataclass
+class Options(MoeOptions):
+    hidden_size: int = 32
+    num_hidden_layers: int = 2
+    vocab_size: int = 256
+
+    def sparse(self, layer):
+        return layer % 2 == 1
+
+
+class Block(nn.Module):
+    def __init__(self, options, layer):
+        super().__init__()
+        self.qkv = nn.Linear(options.hidden_size, 3 * options.hidden_size)
+        self.mlp = MoE(options) if options.sparse(layer) else SwiGLU(options.hidden_size, 2 * options.hidden_size)
+
+    def forward(self, x, document_ids=None):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
+        x = x + causal_attention(q, k, v, document_ids).transpose(1, 2).flatten(2)
+        return x + self.mlp(F.rms_norm(x, x.shape[-1:]))
+
+
+class Routed(nn.Module):
+    def __init__(self, options):
+        super().__init__()
+        self.embed = nn.Embedding(options.vocab_size, options.hidden_size)
+        self.blocks = nn.ModuleDict({str(i): Block(options, i) for i in range(options.num_hidden_layers)})
+        self.head = nn.Linear(options.hidden_size, options.vocab_size)
+
+    def forward(self, tokens, document_ids=None):
+        h = self.embed(tokens)
+        for block in self.blocks.values():
+            h = block(h, document_ids)
+        return self.head(h)
+
+
+class RoutedPlugin(ExpertRouting):
+    @hookimpl
+    def describe_model(self, model_config, vocab_size, seq_len):
+        options = Options(**read_options(model_config, ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                        "score_function", "router_bias_update_rate", "hidden_size",
+                                                        "num_hidden_layers", "vocab_size"), "routed", vocab_size))
+        check_moe_options(options)
+        return ModelDescription(family="routed", args=options, n_layers=options.num_hidden_layers, blocks="blocks",
+                                attention=CORE_ATTENTION, init_buffers=init_routing_buffers,
+                                experts=ExpertsLayout(module="mlp.experts", count=options.num_experts),
+                                param_init=lambda name: ParamInit.normal(0.02), flops_per_token=lambda seq: 6.0 * seq)
+
+    @hookimpl
+    def build_model(self, description):
+        return Routed(description.args)
+"""
+
+
+@pytest.mark.slow
+def test_a_model_built_from_the_cores_moe_blocks_trains_and_balances(tmp_path):
+    env = install_plugins(tmp_path / "site", {}, distribution="routed", plugin_objects={"routed": "RoutedPlugin"},
+                          models={"routed": (CORE_MOE_MODEL, {"routed_tiny": "name: routed\nnum_experts: 4\n"
+                                                              "num_experts_per_tok: 2\nmoe_intermediate_size: 16\n"
+                                                              "score_function: sigmoid\n"
+                                                              "router_bias_update_rate: 0.01\nvocab_size: null\n"})})
+    routed = [*TINY, "model=routed_tiny", "training.steps=3"]
+    reference = run_job(routed, tmp_path / "one", env=env)
+    assert {"expert_load_min", "expert_load_max", "idle_experts"} <= reference.metrics[-1].keys()  # ExpertRouting's
+    bias = reference.final_weights()["blocks.1.mlp.gate.expert_bias"]
+    # Moved by 0.01 up or down after each of the 3 steps: an odd number of hundredths, never 0.
+    assert torch.equal((bias.abs() * 100).round() % 2, torch.ones(4)), bias
+    result = run_job([*routed, "+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"],
+                     tmp_path / "ep", env=env)
+    report = compare(result, reference)
+    assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report

@@ -11,6 +11,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name,
                       check_hf_config
     attention seam    causal_attention, document_attention, document_causal_mask, document_ids, grouped
+    experts           MoE, MoeOptions, SwiGLU, check_moe_options, ExpertRouting, init_routing_buffers
     the objective     add_loss, IGNORE_INDEX; the optimizer's groups: parameter_role, PARAMETER_ROLES, param_groups
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
     data-parallel     replicate_only_over, replicated_over
@@ -35,6 +36,8 @@ from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.initialization import local_box
 from titan_core.job.model_folder import folder_config
 from titan_core.mesh import ParallelMesh, device_kind
+from titan_core.moe.layer import MoE, MoeOptions, SwiGLU, check_moe_options
+from titan_core.moe.routing import ExpertRouting, init_routing_buffers
 from titan_core.objective import IGNORE_INDEX, add_loss
 from titan_core.options import (FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count,
                                 text_or_null)
@@ -48,30 +51,26 @@ from titan_core.train_state import Stateful, TrainState
 
 __version__ = "0.1.0"
 __all__ = [
-    # the contract
-    "hookimpl", "hookspec",
-    # the plan
-    "Declaration", "MeshDimension", "Plan", "PlannedPlugin", "MESH_DIMS", "PP", "DP_REPLICATE", "DP_SHARD", "CP",
-    "TP", "rest_of",
+    # the contract, the plan
+    "hookimpl", "hookspec", "Declaration", "MeshDimension", "Plan", "PlannedPlugin", "MESH_DIMS", "PP", "DP_REPLICATE",
+    "DP_SHARD", "CP", "TP", "rest_of",
     # capabilities
     "CHECKPOINTING", "COMPILE", "CONTEXT_PARALLEL", "DATA_PARALLEL_SHARDING", "EXPERT_PARALLEL", "MIXED_PRECISION",
     "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
     # the model
     "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "CORE_ATTENTION",
     "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
+    # mixture-of-experts building blocks
+    "MoE", "MoeOptions", "SwiGLU", "check_moe_options", "ExpertRouting", "init_routing_buffers",
     # the attention seam
     "causal_attention", "document_attention", "document_causal_mask", "document_ids", "grouped",
     # the objective, the optimizer's parameter groups
     "add_loss", "IGNORE_INDEX", "parameter_role", "PARAMETER_ROLES", "param_groups",
-    # the run
-    "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind",
-    # data parallel
-    "replicate_only_over", "replicated_over",
-    # options
+    # the run, data parallel, options
+    "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind", "replicate_only_over", "replicated_over",
     "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count",
-    # tools
+    # tools, the planner
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",
-    # the planner
     "Estimate", "Hardware",
     # errors
     "ConfigError", "StorageError", "EXIT_BAD_INPUT", "EXIT_STORAGE",

@@ -33,8 +33,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention: each serves ``q``'s heads in
     groups of consecutive ones), and are never repeated to ``q``'s count: the kernels read them shared, and
-    context parallel moves them at their own size.
+    context parallel moves them at their own size. ``v`` may have narrower heads than ``q`` and ``k`` (multi-head
+    latent attention): the kernels then see it padded with zeros to their width and the output is cut back.
     """
+    width = v.shape[-1]
+    if width < q.shape[-1]:
+        # CPU's fused kernel and the context-parallel ring take one head width; zero value features add nothing.
+        return causal_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), document_ids)[..., :width]
     if document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped(q, k))
     if _document_attention is not None:

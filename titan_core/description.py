@@ -62,7 +62,9 @@ class TensorParallelLayout:
     one under TP). On the root: ``embeddings`` are lookup tables split by rows (vocabulary or positions; their input
     ids are replicated and their output is the residual stream), ``final_norms`` norms on the stream, ``output`` the
     linear producing the logits (split by vocabulary; loss parallel keeps it split). ``divisible`` maps a config
-    field to the count the tp degree must divide (attention heads).
+    field to the count the tp degree must divide (attention heads). Low-rank attention (MLA): ``block_replicated``
+    modules run whole on every rank (down-projections, their norms), and ``head_shared`` ones (often an identity)
+    output what every head uses, like a key shared by all heads: their gradient is summed over the ranks' heads.
     """
 
     block_colwise: tuple[str, ...]
@@ -74,6 +76,8 @@ class TensorParallelLayout:
     output: str
     head_norms: tuple[str, ...] = ()
     divisible: Mapping[str, int] = field(default_factory=dict)
+    block_replicated: tuple[str, ...] = ()
+    head_shared: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -150,16 +154,13 @@ class ModelDescription:
       ``tensor_parallel``: a :class:`TensorParallelLayout`.
       ``attention``: the attention seam, :data:`SDPA_CAUSAL` when the blocks attend through causal SDPA,
       :data:`CORE_ATTENTION` when they attend through the core's (which can also mask documents).
-      ``position_buffers``: root buffers indexed by position along their first dimension (RoPE tables,
-      position ids), which context parallel splits exactly like the tokens so that each shard sees its
-      global positions; () for a model without positions.
+      ``position_buffers``: root buffers indexed by position along their first dimension (RoPE tables, position
+      ids), which context parallel splits like the tokens so each shard sees its global positions; () for none.
       ``init_buffers(part)``: fills a model part's non-persistent buffers after ``to_empty``.
       ``float8_skip``: canonical-name fragments of linears float8 must leave in high precision.
-      ``logits``: the root ``nn.Linear`` (no bias, one of ``outputs``) that maps the final hidden state to
-      the vocabulary: a loss that computes the logits itself (chunked cross entropy) replaces it in the
-      model with a pass-through holding its weight.
-      ``experts``: an :class:`ExpertsLayout` (mixture-of-experts models).
-      ``hf``: an :class:`HFAdapter`.
+      ``logits``: the root ``nn.Linear`` (no bias, one of ``outputs``) that maps the final hidden state to the
+      vocabulary: a loss computing the logits itself (chunked cross entropy) swaps it for a pass-through of its weight.
+      ``experts``: an :class:`ExpertsLayout` (mixture-of-experts models). ``hf``: an :class:`HFAdapter`.
     """
 
     family: str

@@ -136,8 +136,8 @@ def hf_shapes(folder: Path, adapter: HFAdapter, names) -> dict[str, tuple]:
 
 @torch.no_grad()
 def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter, names: set[str] | None = None) -> int:
-    """Copy each parameter's local slice (of those ``names`` lists by canonical name, or all) from the folder's
-    files into the model; returns the bytes read.
+    """Copy each parameter's and saved buffer's local slice (of those ``names`` lists by canonical name, or all)
+    from the folder's files into the model (a released router's balancing bias is a buffer); returns the bytes read.
 
     A rank reads only the box of each tensor it holds (a shard under FSDP/TP, the whole tensor otherwise).
     """
@@ -146,7 +146,7 @@ def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter, names: set[str
     with contextlib.ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, "pt")) for path in set(files.values())}
         for part in model_parts:
-            for name, param in part.named_parameters():
+            for name, param in part.state_dict(keep_vars=True).items():
                 if names is not None and canonical_name(name) not in names:
                     continue
                 hf_name = source_name(canonical_name(name), adapter, files)

@@ -10,6 +10,7 @@ wraps the materialized stages in ``torch.distributed.pipelining`` stages and sch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -153,10 +154,40 @@ def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
     layout = _layout(plugin_config, plan)
     group = mesh.submesh(PP).get_group()
     device = next(model_parts[0].parameters()).device
-    stages = [PipelineStage(part, index, layout.num_stages, device, group=group)
+    stages = [TracelessStage(part, index, layout.num_stages, device, group=group)
               for part, index in zip(model_parts, layout.stages_of(mesh.local_rank(PP)))]
     return PipelineStep(plugin_config.schedule, stages, layout.microbatches, loss_fn,
                         config.training.grad_accum_steps)
+
+
+class TracelessStage(PipelineStage):
+    """A pipeline stage whose shape inference leaves the model's buffers as it found them.
+
+    torch learns a stage's shapes by running it forward and backward on placeholder inputs at the first step (and
+    again when a pass switches between training and evaluation): passes no one trained on, which would otherwise
+    count into a router's token counts (and so move its balancing bias) or a norm's running statistics; under
+    activation checkpointing the backward replays the forward too.
+    """
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with self._buffers_kept():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        with self._buffers_kept():
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _buffers_kept(self):
+        saved = [(buffer, buffer.clone()) for buffer in self.submod.buffers()]
+        try:
+            yield
+        finally:
+            # Only the changed ones: an unchanged buffer (a RoPE table) is in the graph torch then differentiates.
+            with torch.no_grad():
+                for buffer, value in saved:
+                    if not torch.equal(buffer, value):
+                        buffer.copy_(value)
 
 
 def _layout(plugin_config, plan) -> Layout:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core import causal_attention
+from titan_core import SwiGLU, causal_attention
 
 
 @dataclass
@@ -67,17 +67,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: Qwen3Args):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: Qwen3Args, mlp: nn.Module):
         super().__init__()
@@ -107,7 +96,7 @@ class Qwen3(nn.Module):
     @staticmethod
     def feed_forward(args: Qwen3Args, layer: int) -> nn.Module:
         """The feed-forward sub-layer of block ``layer`` (a mixture of experts in Qwen3-MoE)."""
-        return MLP(args)
+        return SwiGLU(args.hidden_size, args.intermediate_size)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens

@@ -1,61 +1,25 @@
-"""Qwen3-MoE: Qwen3's attention with a mixture of experts in place of the feed-forward.
+"""Qwen3-MoE: Qwen3's attention with the core's mixture of experts in place of the feed-forward.
 
-Each token's router scores (softmax over the experts, in fp32) choose its ``num_experts_per_tok`` experts;
-with ``norm_topk_prob`` the chosen scores are renormalized to sum to one. Every token is computed by
-every expert it chose (dropless: no capacity, nothing dropped). The tokens are sorted by expert and the
-experts' SwiGLU runs as one grouped matmul over all of them, never a Python loop over experts.
-
-DeepSeek-V3's routing is available as options: ``score_function=sigmoid`` (each expert scored on its own),
-``num_shared_experts`` (a SwiGLU every token goes through besides its chosen experts),
-``router_bias_update_rate`` (balancing without an auxiliary loss: a per-expert bias, added to the scores
-only to choose the experts, moves after every optimizer step by that rate toward the experts that
-received fewer tokens than the mean; the model plugin's ``after_optimizer_step`` does it over the global
-batch), ``n_group`` / ``topk_group`` (group-limited routing: the experts fall into ``n_group`` groups, each
-ranked by the sum of its two best choice scores, and a token chooses only among the best ``topk_group``
-groups' experts, which bounds the nodes its copies travel to) and ``routed_scaling_factor`` (the chosen
-experts' weights multiplied by it, after any renormalization).
-
-``router_aux_loss_coef`` adds the classic load-balancing loss instead (Switch Transformer, DeepSeek's
-normalization): per MoE layer and micro-batch of T tokens, E / (k T^2) * sum_i c_i S_i, where c_i counts
-the copies expert i received and S_i sums its scores over the tokens (1 when the load and the scores
-are even), averaged over the MoE layers and weighted by the coefficient. It enters the gradient through
-``titan_core.objective.add_loss``; the logged loss stays the logits' cross entropy. When tensor or
-context parallel split a micro-batch's tokens over ranks, the counts are summed over those ranks first
-(``token_group``), so each rank adds its exact share of the whole micro-batch's loss.
-
-Names follow transformers' Qwen3-MoE modules (``mlp.gate.weight`` the router, ``mlp.experts.gate_up_proj``
-(experts, 2 x moe_intermediate_size, hidden) and ``mlp.experts.down_proj`` (experts, hidden,
-moe_intermediate_size)), so a checkpoint is exported and read back by renaming only.
+The experts, the router and its options (DeepSeek-V3's routing among them) are titan_core's ``MoE`` and
+``MoeOptions``; Qwen3-MoE adds which blocks have experts (every ``decoder_sparse_step``-th, except
+``mlp_only_layers``). Names follow transformers' Qwen3-MoE modules, so a checkpoint is exported and read back
+by renaming only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import torch
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 
-from titan_core import add_loss
-from titan_qwen3.model import MLP, Qwen3, Qwen3Args
+from titan_core import MoE, MoeOptions, SwiGLU
+from titan_qwen3.model import Qwen3, Qwen3Args
 
 
 @dataclass
-class Qwen3MoeArgs(Qwen3Args):
-    num_experts: int = 128
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 768
-    norm_topk_prob: bool = True  # transformers' default is false; the released Qwen3-MoE configs set true
+class Qwen3MoeArgs(Qwen3Args, MoeOptions):
     decoder_sparse_step: int = 1  # every n-th block has experts; the others a dense feed-forward
     mlp_only_layers: tuple[int, ...] = ()
-    score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
-    num_shared_experts: int = 0  # DeepSeek-V3: 1, of moe_intermediate_size each
-    router_bias_update_rate: float = 0.0  # DeepSeek-V3: 1e-3; 0 leaves the choice to the scores alone
-    router_aux_loss_coef: float = 0.0  # load-balancing loss weight (transformers' name); 0: none
-    n_group: int = 1  # DeepSeek-V3: 8 groups of experts, a token choosing among the best topk_group of them
-    topk_group: int = 1  # DeepSeek-V3: 4
-    routed_scaling_factor: float = 1.0  # DeepSeek-V3: 2.5, on the chosen experts' weights
 
     @property
     def qwen3_routing(self) -> bool:
@@ -67,142 +31,9 @@ class Qwen3MoeArgs(Qwen3Args):
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
-class TopKRouter(nn.Module):
-    def __init__(self, args: Qwen3MoeArgs):
-        super().__init__()
-        self.top_k, self.normalize, self.score_function = args.num_experts_per_tok, args.norm_topk_prob, args.score_function
-        self.groups, self.chosen_groups, self.scale = args.n_group, args.topk_group, args.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
-        # Saved with the weights, so that a resumed run keeps the balance it learned.
-        self.register_buffer("expert_bias", torch.zeros(args.num_experts) if args.router_bias_update_rate else None)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, hidden) -> the chosen experts' weights and indices, each (tokens, top_k), and every
-        expert's score (tokens, experts)."""
-        logits = F.linear(x, self.weight).float()
-        scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        if self.groups > 1:
-            choice = self.within_best_groups(choice)
-        experts = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(-1, experts)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights * self.scale).type_as(x), experts, scores
-
-    def within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """The choice scores with every expert outside the token's ``topk_group`` best groups at -inf."""
-        grouped = choice.unflatten(-1, (self.groups, -1))
-        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.chosen_groups, dim=-1).indices
-        kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(-1, best, True)
-        return grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
-
-
-class GroupedExperts(nn.Module):
-    """Every expert's SwiGLU, applied to tokens already sorted by expert (``counts`` of each)."""
-
-    def __init__(self, args: Qwen3MoeArgs):
-        super().__init__()
-        experts, hidden, inner = args.num_experts, args.hidden_size, args.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
-
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if tokens.is_cuda and tokens.dtype == torch.bfloat16:
-            return self._grouped(tokens, counts)
-        if torch.compiler.is_compiling():
-            return self._gathered(tokens, counts)
-        return self._padded(tokens, counts)
-
-    def _grouped(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # torch._grouped_mm: one kernel over variable-size groups (bf16; fp32 is refused on CPU in torch 2.13).
-        ends = counts.cumsum(0, dtype=torch.int32)
-        gate, up = torch._grouped_mm(tokens, self.gate_up_proj.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
-
-    def _padded(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Each expert's tokens in one row of a (experts, most tokens, hidden) batch, then two batched matmuls.
-        experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts)
-        starts = counts.cumsum(0) - counts
-        slots = torch.arange(len(tokens), device=tokens.device) - starts[experts]
-        padded = tokens.new_zeros(len(counts), int(counts.max()) if len(tokens) else 0, tokens.shape[-1])
-        padded = padded.index_put((experts, slots), tokens)
-        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(-2, -1)).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(-2, -1))[experts, slots]
-
-    def _gathered(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Static shapes for the compiler (the padded batch's size depends on the routing, which inductor
-        # cannot lower): each token copy multiplies its own expert's gathered weights. Memory grows with
-        # tokens x expert size, so only compiled fp32 or CPU runs take this path.
-        experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts,
-                                          output_size=len(tokens))
-        gate, up = torch.bmm(self.gate_up_proj[experts], tokens[:, :, None]).squeeze(-1).chunk(2, dim=-1)
-        return torch.bmm(self.down_proj[experts], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
-
-
-class MoE(nn.Module):
-    """Route, sort the token copies by expert, run the experts, weight and sum each token's copies."""
-
-    def __init__(self, args: Qwen3MoeArgs):
-        super().__init__()
-        self.num_experts = args.num_experts
-        self.gate = TopKRouter(args)
-        self.experts = GroupedExperts(args)
-        self.shared_experts = (MLP(replace(args, intermediate_size=args.num_shared_experts * args.moe_intermediate_size))
-                               if args.num_shared_experts else None)
-        # Token copies each expert received since the metrics last read it, and since the routing bias was
-        # last updated (recomputation counts twice, which neither the logged load ratios nor the sign of
-        # each expert's distance to the mean load see).
-        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.long), persistent=False)
-        self.register_buffer("tokens_since_update", torch.zeros(args.num_experts, dtype=torch.long), persistent=False)
-        # The balance loss's share of this layer, and the sum of this rank's parts of it since the metrics
-        # last read it, with the forwards they came from.
-        self.aux_loss_coef = args.router_aux_loss_coef / sum(map(args.sparse, range(args.num_hidden_layers)))
-        self.register_buffer("aux_loss_parts", torch.zeros(()), persistent=False)
-        self.register_buffer("aux_loss_forwards", torch.zeros((), dtype=torch.long), persistent=False)
-        # Set by the model plugin when tensor or context parallel split a micro-batch's tokens over ranks:
-        # their group and its size, and the factor that undoes the sharder's averaging over context-parallel
-        # ranks (tensor-parallel ones are summed).
-        self.token_group, self.token_group_size, self.aux_loss_scale = None, 1, 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, experts, scores = self.gate(x)
-        order = experts.flatten().argsort(stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
-        if torch.is_grad_enabled():  # training: an evaluation's tokens neither show in the routing metrics nor steer
-            with torch.no_grad():
-                self.tokens_per_expert += counts
-                self.tokens_since_update += counts
-        token = order // experts.shape[1]  # which token each sorted copy belongs to
-        out = self.experts(x[token], counts) * weights.flatten()[order, None]
-        out = torch.zeros_like(x).index_add(0, token, out)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        if self.aux_loss_coef and torch.is_grad_enabled():
-            out = add_loss(out, self.balance_loss(scores, counts) * (self.aux_loss_coef * self.aux_loss_scale))
-        return out.reshape(shape)
-
-    def balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the layer's balance loss over the whole micro-batch (the parts of the ranks
-        sharing it sum to the loss)."""
-        counts, tokens = counts.float(), scores.shape[0] * self.token_group_size
-        if self.token_group is not None:
-            counts = funcol.all_reduce(counts, "sum", self.token_group)
-        part = (counts * scores.sum(0)).sum() * (self.num_experts / (self.gate.top_k * tokens ** 2))
-        with torch.no_grad():
-            # A pipeline stage's shape inference runs a forward on uninitialized inputs: one that gives
-            # inf or NaN is left out of the logged mean (without a host sync).
-            finite = part.isfinite()
-            self.aux_loss_parts += torch.where(finite, part, 0.0)
-            self.aux_loss_forwards += finite
-        return part
-
-
 class Qwen3Moe(Qwen3):
     """Qwen3 whose feed-forward sub-layers are mixtures of experts (some dense, per the options)."""
 
     @staticmethod
     def feed_forward(args: Qwen3MoeArgs, layer: int) -> nn.Module:
-        return MoE(args) if args.sparse(layer) else MLP(args)
+        return MoE(args) if args.sparse(layer) else SwiGLU(args.hidden_size, args.intermediate_size)

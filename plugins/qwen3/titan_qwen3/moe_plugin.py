@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import re
 
-import torch
-import torch.distributed as dist
-
-from titan_core import (CORE_ATTENTION, CP, TP, ConfigError, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
-                        hookimpl, read_options)
+from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
+                        ParamInit, check_moe_options, hookimpl, init_routing_buffers, read_options)
 from titan_qwen3.model import rope_table
-from titan_qwen3.moe import MoE, Qwen3Moe, Qwen3MoeArgs
+from titan_qwen3.moe import Qwen3Moe, Qwen3MoeArgs
 from titan_qwen3 import plugin as qwen3
 
-log = logging.getLogger("titan_core")
 FAMILY = "qwen3_moe"
-IDLE_WARNING_STEPS = 100  # an expert that no token chose for this many steps is reported once
 OPTIONS = tuple(f.name for f in dataclasses.fields(Qwen3MoeArgs) if f.name != "seq_len")
 DEEPSEEK_ROUTING = ("score_function", "num_shared_experts", "router_bias_update_rate", "n_group", "topk_group",
                     "routed_scaling_factor")  # not in HF's Qwen3-MoE
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
@@ -30,32 +23,10 @@ def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
     options["mlp_only_layers"] = tuple(options.get("mlp_only_layers") or ())
     args = Qwen3MoeArgs(**options, seq_len=seq_len)
     qwen3.check_attention_shape(args)
-    if not 1 <= args.num_experts_per_tok <= args.num_experts:
-        raise ConfigError("model.num_experts_per_tok", f"{args.num_experts_per_tok} experts per token out of "
-                          f"{args.num_experts}", f"choose 1 to {args.num_experts}")
+    check_moe_options(args)
     if args.decoder_sparse_step < 1:
         raise ConfigError("model.decoder_sparse_step", f"{args.decoder_sparse_step} is not a positive integer",
                           "use 1 for experts in every block, n for every n-th")
-    if args.score_function not in SCORE_FUNCTIONS:
-        raise ConfigError("model.score_function", f"unknown router score '{args.score_function}'",
-                          f"use one of {', '.join(SCORE_FUNCTIONS)}")
-    for field in ("num_shared_experts", "router_bias_update_rate", "router_aux_loss_coef"):
-        if getattr(args, field) < 0:
-            raise ConfigError(f"model.{field}", f"{getattr(args, field)} is negative", "use 0 (off) or more")
-    if args.n_group < 1 or args.num_experts % args.n_group:
-        raise ConfigError("model.n_group", f"{args.n_group} groups do not divide {args.num_experts} experts",
-                          "use 1 (no groups) or a divisor of model.num_experts")
-    per_group = args.num_experts // args.n_group
-    if args.n_group > 1 and per_group < 2:
-        raise ConfigError("model.n_group", f"groups of {per_group} expert: a group is ranked by its two best",
-                          "use groups of two experts or more")
-    if not 1 <= args.topk_group <= args.n_group or args.num_experts_per_tok > args.topk_group * per_group:
-        raise ConfigError("model.topk_group", f"{args.topk_group} of {args.n_group} groups of {per_group} experts "
-                          f"cannot hold {args.num_experts_per_tok} chosen experts",
-                          f"choose 1 to {args.n_group} groups holding at least model.num_experts_per_tok experts")
-    if not args.routed_scaling_factor > 0:
-        raise ConfigError("model.routed_scaling_factor", f"{args.routed_scaling_factor} is not positive",
-                          "use 1.0 (off) or DeepSeek-V3's 2.5")
     return args
 
 
@@ -138,126 +109,12 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
 
 def init_buffers(part, args: Qwen3MoeArgs) -> None:
     part.rope.copy_(rope_table(args))
-    for module in part.modules():
-        if isinstance(module, MoE):
-            for counter in (module.tokens_per_expert, module.tokens_since_update, module.aux_loss_parts,
-                            module.aux_loss_forwards):
-                counter.zero_()
-            if module.gate.expert_bias is not None:
-                module.gate.expert_bias.zero_()
+    init_routing_buffers(part)
 
 
-def global_counts(model_parts, plan, buffer: str) -> tuple[dict[int, MoE], torch.Tensor]:
-    """This rank's MoE layers by block index, and (blocks, experts): the token copies each expert of each block
-    received over the whole job, read from every layer's ``buffer``, which is reset. Every rank must call it."""
-    args = plan.model.args
-    layers = {int(name): module for part in model_parts for name, block in plan.model.blocks_of(part).items()
-              for module in block.modules() if isinstance(module, MoE)}
-    counts = torch.zeros(args.num_hidden_layers, args.num_experts, device=next(model_parts[0].buffers()).device)
-    for layer, module in layers.items():
-        counts[layer] = getattr(module, buffer).float()
-        getattr(module, buffer).zero_()
-    # Summed over every rank: data-, context- and tensor-parallel ranks route different tokens (tp splits a
-    # mixture-of-experts layer's tokens), pipeline stages hold different blocks.
-    dist.all_reduce(counts)
-    return layers, counts
-
-
-def share_token_groups(model_parts, mesh, plan) -> None:
-    """With router_aux_loss_coef, give every MoE layer the ranks that share its tokens (tp, cp)."""
-    if not plan.model.args.router_aux_loss_coef:
-        return
-    sharing = mesh.submesh((CP, TP))
-    for part in model_parts:
-        for module in part.modules():
-            if isinstance(module, MoE) and sharing is not None and sharing.size() > 1:
-                module.token_group, module.token_group_size = sharing.get_group(), sharing.size()
-                module.aux_loss_scale = float(plan.degree(CP))
-
-
-def update_routing_bias(model_parts, plan) -> None:
-    """With router_bias_update_rate, move each expert's routing bias toward an even load."""
-    rate = plan.model.args.router_bias_update_rate
-    if not rate:
-        return
-    layers, counts = global_counts(model_parts, plan, "tokens_since_update")
-    with torch.no_grad():
-        for layer, module in layers.items():
-            module.gate.expert_bias += rate * torch.sign(counts[layer].mean() - counts[layer])
-
-
-def routing_metrics(model_parts, step, plan, idle_experts: IdleExperts) -> dict:
-    """How the routers spread the global batch's tokens over the experts since the last log."""
-    args = plan.model.args
-    sparse = [layer for layer in range(args.num_hidden_layers) if args.sparse(layer)]
-    counts = global_counts(model_parts, plan, "tokens_per_expert")[1][sparse]
-    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
-    idle_experts.update(counts, sparse, step)
-    metrics = {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
-               "idle_experts": int((counts == 0).sum())}
-    if args.router_aux_loss_coef:
-        metrics["router_aux_loss"] = mean_balance_loss(model_parts, plan.degree(CP) * plan.degree(TP))
-    return metrics
-
-
-def mean_balance_loss(model_parts, sharing: int) -> float:
-    """The balance loss of a MoE layer and micro-batch, averaged over the forwards since the last log; every
-    rank must call it. A forward's loss is split in parts over the ``sharing`` ranks holding its tokens."""
-    layers = [module for part in model_parts for module in part.modules() if isinstance(module, MoE)]
-    totals = torch.zeros(2, device=next(model_parts[0].buffers()).device)
-    for module in layers:
-        totals += torch.stack([module.aux_loss_parts, module.aux_loss_forwards.float()])
-        module.aux_loss_parts.zero_()
-        module.aux_loss_forwards.zero_()
-    dist.all_reduce(totals)
-    parts, forwards = totals.tolist()
-    return parts * sharing / forwards if forwards else 0.0
-
-
-class IdleExperts:
-    """Counts, per (sparse block, expert), the logged steps since a token last chose it; warns once at ``limit``.
-
-    Its counts are the same on every rank (they come from the all-reduced loads), so a checkpoint keeps them
-    as they are and a resumed run warns when the uninterrupted one would have.
-    """
-
-    def __init__(self, limit: int):
-        self.limit, self.last_step = limit, 0
-        self.idle: torch.Tensor | None = None  # (sparse blocks, experts): logged steps without a token
-        self.warned: torch.Tensor | None = None  # the same shape: already reported
-
-    def size(self, sparse_blocks: int, experts: int, device: torch.device) -> None:
-        self.idle = torch.zeros(sparse_blocks, experts, device=device)
-        self.warned = torch.zeros(sparse_blocks, experts, dtype=torch.bool, device=device)
-
-    def update(self, counts: torch.Tensor, sparse: list[int], step: int) -> list[tuple[int, int]]:
-        """Record the counts since the last logged step; returns the (block, expert) pairs newly reported."""
-        if self.idle is None:
-            self.size(*counts.shape, counts.device)
-        self.idle = torch.where(counts == 0, self.idle + (step - self.last_step), torch.zeros_like(self.idle))
-        self.last_step = step
-        new = (self.idle >= self.limit) & ~self.warned
-        self.warned |= new
-        reported = [(sparse[row], expert) for row, expert in new.nonzero().tolist()]
-        for block, expert in reported:
-            if dist.get_rank() == 0:
-                log.warning("expert %d of block %d has received no token for %d steps: its router never chooses it",
-                            expert, block, int(self.idle[sparse.index(block), expert]))
-        return reported
-
-    def state_dict(self) -> dict:
-        return {} if self.idle is None else {"idle": self.idle, "warned": self.warned, "last_step": self.last_step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.idle, self.warned, self.last_step = state["idle"], state["warned"], state["last_step"]
-
-
-class Qwen3MoePlugin:
-    """The Qwen3-MoE model plugin of one run (the entry point names the class): its own idle-expert counts,
-    which a checkpoint keeps, so that a sweep's next job, with another expert count, starts afresh."""
-
-    def __init__(self):
-        self.idle_experts = IdleExperts(IDLE_WARNING_STEPS)
+class Qwen3MoePlugin(ExpertRouting):
+    """The Qwen3-MoE model plugin of one run (the entry point names the class): the core's routing state and hooks
+    (idle-expert counts a checkpoint keeps, the balancing bias, the load metrics) plus its model's description."""
 
     @hookimpl
     def describe_model(self, model_config, vocab_size, seq_len):
@@ -273,28 +130,3 @@ class Qwen3MoePlugin:
     def build_model(self, description):
         """Qwen3-MoE: the model of the described options."""
         return Qwen3Moe(description.args)
-
-    @hookimpl
-    def after_init(self, model_parts, mesh, plan):
-        """Qwen3-MoE: size the idle-expert counts; with router_aux_loss_coef, give every MoE layer the ranks that
-        share its tokens (tp, cp)."""
-        args = plan.model.args
-        sparse = sum(args.sparse(layer) for layer in range(args.num_hidden_layers))
-        self.idle_experts.size(sparse, args.num_experts, next(model_parts[0].buffers()).device)
-        share_token_groups(model_parts, mesh, plan)
-
-    @hookimpl
-    def after_optimizer_step(self, model_parts, plan):
-        """Qwen3-MoE: with router_bias_update_rate, move each expert's routing bias toward an even load."""
-        update_routing_bias(model_parts, plan)
-
-    @hookimpl
-    def step_metrics(self, model_parts, step, plan):
-        """Qwen3-MoE: how the routers spread the global batch's tokens over the experts since the last log."""
-        return routing_metrics(model_parts, step, plan, self.idle_experts)
-
-    def state_dict(self) -> dict:
-        return self.idle_experts.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.idle_experts.load_state_dict(state)

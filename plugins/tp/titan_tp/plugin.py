@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
@@ -144,6 +144,10 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
     else:
         for name in layout.block_norms:
             replicate_norm(block.get_submodule(name), tp_mesh)
+    for name in layout.block_replicated:
+        replicate_norm(block.get_submodule(name), tp_mesh)
+    for name in layout.head_shared:
+        block.get_submodule(name).register_forward_hook(lambda module, args, output: sum_gradient_over(output, tp_mesh))
     if experts_layer is not None:
         split_tokens(block.get_submodule(experts_layer), tp_mesh, sp)
 
@@ -207,11 +211,18 @@ def gather_stream_on_entry(region: nn.Module, tp_mesh) -> None:
     region.register_forward_pre_hook(gather)
 
 
-def replicate_norm(norm: nn.Module, tp_mesh) -> None:
-    """A norm on the whole (replicated) sequence whose weight is a replicated DTensor like every other parameter.
+def sum_gradient_over(shared: torch.Tensor, tp_mesh) -> torch.Tensor:
+    """``shared`` unchanged, its gradient summed over the tp ranks in backward: each rank's heads used it and
+    sent back their own part of its gradient (Megatron's copy to the tensor-parallel region)."""
+    return DTensor.from_local(shared, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
-    As a plain tensor it would sit beside DTensors in gradient clipping and FSDP, which refuse the mix.
-    Its gradient needs no reduction: every rank sees the same input and output gradient.
+
+def replicate_norm(norm: nn.Module, tp_mesh) -> None:
+    """A norm on the whole (replicated) sequence, or a module every rank runs whole (``block_replicated``), whose
+    weights are replicated DTensors like every other parameter.
+
+    As plain tensors they would sit beside DTensors in gradient clipping and FSDP, which refuse the mix.
+    Their gradients need no reduction: every rank sees the same input and output gradient.
     """
     def replicate_params(name, module, mesh):
         for param_name, param in list(module.named_parameters(recurse=False)):
