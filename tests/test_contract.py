@@ -646,3 +646,88 @@ def test_a_model_built_from_the_cores_moe_blocks_trains_and_balances(tmp_path):
                      tmp_path / "ep", env=env)
     report = compare(result, reference)
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+
+
+# Low-rank attention written from docs/writing-models.md's MLA paragraph: a down-projection every tp rank runs whole
+# (block_replicated), split up-projections, and one key part every head shares passed through an identity named in
+# head_shared. Without the head_shared sum, the ranks' copies of `down` would drift apart (final weights disagree).
+LATENT_MODEL = """
+import torch
+from torch import nn
+
+from titan_core import (CORE_ATTENTION, ModelDescription, ParamInit, TensorParallelLayout, causal_attention,
+                        hookimpl)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.down = nn.Linear(dim, dim // 2 + 4, bias=False)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv_up = nn.Linear(dim // 2, 2 * dim - 4 * heads, bias=False)
+        self.shared = nn.Identity()
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, document_ids=None):
+        b, s, d = x.shape
+        latent, shared_key = self.down(x).split([d // 2, 4], -1)
+        q = self.q(x).view(b, s, -1, d // self.heads)
+        k, v = self.kv_up(latent).view(b, s, q.shape[2], -1).split([d // self.heads - 4, d // self.heads], -1)
+        k = torch.cat([k, self.shared(shared_key)[:, :, None].expand(-1, -1, q.shape[2], -1)], -1)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        return self.out(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.attn = Attention(dim, heads)
+
+    def forward(self, x, document_ids=None):
+        return x + self.attn(self.norm(x), document_ids)
+
+
+class Latent(nn.Module):
+    def __init__(self, vocab, dim, heads, layers):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleDict({str(i): Block(dim, heads) for i in range(layers)})
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, document_ids=None):
+        h = self.embed(tokens)
+        for block in self.blocks.values():
+            h = block(h, document_ids)
+        return self.head(self.norm(h))
+
+
+@hookimpl
+def describe_model(model_config, vocab_size, seq_len):
+    layout = TensorParallelLayout(block_colwise=("attn.q", "attn.kv_up"), block_rowwise=("attn.out",),
+                                  block_norms=("norm",), block_regions=("attn",), embeddings=("embed",),
+                                  final_norms=("norm",), output="head", block_replicated=("attn.down",),
+                                  head_shared=("attn.shared",))
+    return ModelDescription(family="latent", args=(vocab_size, 32, 4, 2), n_layers=2, blocks="blocks",
+                            inputs=("embed",), outputs=("norm", "head"), tensor_parallel=layout,
+                            attention=CORE_ATTENTION, position_buffers=(),
+                            param_init=lambda name: ParamInit.constant(1.0) if "norm" in name else ParamInit.normal(0.1),
+                            flops_per_token=lambda seq: 6.0 * seq)
+
+
+@hookimpl
+def build_model(description):
+    return Latent(*description.args)
+"""
+
+
+@pytest.mark.slow
+def test_an_outside_low_rank_attention_splits_by_heads_like_one_process(tmp_path):
+    env = install_plugins(tmp_path / "site", {}, distribution="latent",
+                          models={"latent": (LATENT_MODEL, {"latent_tiny": "name: latent\n"})})
+    model = [*TINY, "model=latent_tiny", "training.steps=3"]
+    reference = run_job(model, tmp_path / "one", env=env)
+    report = compare(run_job([*model, "+plugins=[tp]", "plugins.tp.degree=2"], tmp_path / "tp", env=env), reference)
+    assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
