@@ -30,7 +30,7 @@ from titan_core.testing import TINY, compare, run_job
 RESUME_STEP = 3
 # Each factor: its values as (label, ranks it adds, overrides). "-" leaves the plugin out.
 FACTORS = {
-    "model": [("llama3", 1, ("model=tiny",)), ("qwen3", 1, ("model=qwen3_tiny",)),
+    "model": [("llama3", 1, ("model=tiny",)), ("gpt-oss", 1, ("model=gpt_oss_tiny",)), ("qwen3", 1, ("model=qwen3_tiny",)),
               ("qwen3-moe", 1, ("model=qwen3_moe_tiny",)), ("deepseek-v3", 1, ("model=deepseek_v3_tiny",))],
     # Changes the model's function, so the single-process reference takes it too (see reference_overrides).
     "mask": [("-", 1, ()), ("block-causal", 1, ("training.attention_mask=block_causal",))],
@@ -61,7 +61,8 @@ FACTORS = {
     "optimizer": [("-", 1, ()), ("muon", 1, ("muon", "plugins.muon.ns_dtype=float32"))],
 }
 MAX_RANKS = 8
-MODELS_WITHOUT_EXPERTS = {label for label, _, _ in FACTORS["model"]} - {"qwen3-moe", "deepseek-v3"}
+MODELS_WITH_EXPERTS = {"qwen3-moe", "deepseek-v3", "gpt-oss"}
+MODELS_WITHOUT_EXPERTS = {label for label, _, _ in FACTORS["model"]} - MODELS_WITH_EXPERTS
 LOSS_TOL, FLOAT8_LOSS_TOL = 1e-5, 1e-2
 
 

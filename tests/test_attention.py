@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from titan_core.attention import causal_attention, document_causal_mask, document_ids
+from titan_core.attention import attention_mask, causal_attention, document_ids
 from titan_core.testing import TINY, compare, error_line, run_job
 
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # the parity harness's bounds
@@ -26,7 +26,7 @@ def short_documents(tmp_path_factory):
 def test_documents_start_at_every_bos():
     tokens = torch.tensor([[7, 1, 5, 5, 1, 6], [1, 2, 3, 1, 1, 4]])
     assert document_ids(tokens, bos_id=1).tolist() == [[0, 1, 1, 1, 2, 2], [1, 1, 1, 2, 3, 3]]
-    mask = document_causal_mask(document_ids(tokens, 1), torch.arange(6), document_ids(tokens, 1), torch.arange(6))
+    mask = attention_mask(torch.arange(6), torch.arange(6), document_ids(tokens, 1), document_ids(tokens, 1))
     assert mask[0].int().tolist() == [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0],
                                       [0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1]]
 
@@ -70,3 +70,36 @@ def test_block_causal_under_parallelism_matches_one_process(overrides, block_cau
 def test_refused_before_launch(tmp_path, overrides, message):
     result = run_job([*TINY, *overrides, "launch.dry_run=true"], tmp_path / "run", expect_success=False)
     assert error_line(result) == f"titan-core: error: {message}"
+
+
+def eager_attention(q, k, v, mask, sinks=None):
+    """transformers' eager reference: grouped keys repeated, the sink as one more softmax column, dropped after."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~mask[:, None], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    return scores.softmax(-1)[..., :k.shape[2]] @ v
+
+
+def test_sliding_windows_and_sinks_match_eager_attention_with_their_gradients():
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 12, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 16, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(8, requires_grad=True)
+    documents = torch.tensor([[0] * 5 + [1] * 7, [1] * 12])
+    positions = torch.arange(12)
+    for window, docs in ((4, None), (None, documents), (3, documents)):
+        mask = attention_mask(positions, positions, docs, docs, window)
+        ours = causal_attention(q, k, v, docs, window=window, sinks=sinks)
+        reference = eager_attention(q, k, v, mask, sinks)
+        torch.testing.assert_close(ours, reference, rtol=0, atol=2e-6)
+        grad = torch.randn_like(ours)
+        for a, b in zip(torch.autograd.grad(ours, (q, k, v, sinks), grad),
+                        torch.autograd.grad(reference, (q, k, v, sinks), grad)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # Each knob changes the result well beyond those bounds (a mask or a sink left out would show).
+    plain = causal_attention(q, k, v)
+    assert (causal_attention(q, k, v, window=4) - plain).abs().max() > 0.1
+    assert (causal_attention(q, k, v, sinks=sinks) - plain).abs().max() > 0.1
+    assert attention_mask(positions, positions, window=3)[0, 5].nonzero().flatten().tolist() == [3, 4, 5]

@@ -731,3 +731,92 @@ def test_an_outside_low_rank_attention_splits_by_heads_like_one_process(tmp_path
     reference = run_job(model, tmp_path / "one", env=env)
     report = compare(run_job([*model, "+plugins=[tp]", "plugins.tp.degree=2"], tmp_path / "tp", env=env), reference)
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+
+
+SINK_MODEL = """
+import torch
+from torch import nn
+
+from titan_core import (CORE_ATTENTION, ModelDescription, ParamInit, TensorParallelLayout, causal_attention,
+                        hookimpl)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, window):
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim // 2, bias=False)  # half as many key-value heads: grouped by 2
+        self.v = nn.Linear(dim, dim // 2, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(heads))
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, document_ids=None):
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, -1, d // self.heads)
+        k = self.k(x).view(b, s, -1, d // self.heads)
+        v = self.v(x).view(b, s, -1, d // self.heads)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids,
+                               window=self.window, sinks=self.sinks)
+        return self.out(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, window):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.attn = Attention(dim, heads, window)
+
+    def forward(self, x, document_ids=None):
+        return x + self.attn(self.norm(x), document_ids)
+
+
+class Sinky(nn.Module):
+    def __init__(self, vocab, dim, heads, layers):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleDict({str(i): Block(dim, heads, 6 if i % 2 == 0 else None) for i in range(layers)})
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, document_ids=None):
+        h = self.embed(tokens)
+        for block in self.blocks.values():
+            h = block(h, document_ids)
+        return self.head(self.norm(h))
+
+
+@hookimpl
+def describe_model(model_config, vocab_size, seq_len):
+    layout = TensorParallelLayout(block_colwise=("attn.q", "attn.k", "attn.v"), block_rowwise=("attn.out",),
+                                  block_norms=("norm",), block_regions=("attn",), embeddings=("embed",),
+                                  final_norms=("norm",), output="head",
+                                  head_parameters=model_config.get("head_parameters", ("attn.sinks",)))
+    return ModelDescription(family="sinky", args=(vocab_size, 32, 4, 2), n_layers=2, blocks="blocks",
+                            inputs=("embed",), outputs=("norm", "head"), tensor_parallel=layout,
+                            attention=CORE_ATTENTION, position_buffers=(),
+                            param_init=lambda name: ParamInit.constant(1.0) if "norm" in name else ParamInit.normal(0.1),
+                            flops_per_token=lambda seq: 6.0 * seq)
+
+
+@hookimpl
+def build_model(description):
+    return Sinky(*description.args)
+"""
+
+
+@pytest.mark.slow
+def test_an_outside_model_with_sinks_and_windows_splits_like_one_process(tmp_path):
+    """Written from docs/writing-models.md: windows and sinks through the seam, the sinks named in head_parameters.
+    tp 2 splits its heads and their sinks; cp 2 gathers the keys and masks by window. Without head_parameters the first forward says what is missing."""
+    env = install_plugins(tmp_path / "site", {}, distribution="sinky",
+                          models={"sinky": (SINK_MODEL, {"sinky_tiny": "name: sinky\n"})})
+    model = [*TINY, "model=sinky_tiny", "training.steps=3"]
+    reference = run_job(model, tmp_path / "one", env=env)
+    for name, stack in (("tp", ["+plugins=[tp]", "plugins.tp.degree=2"]), ("cp", ["+plugins=[cp]", "plugins.cp.degree=2"])):
+        report = compare(run_job([*model, *stack], tmp_path / name, env=env), reference)
+        assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, (name, report)
+    unsplit = run_job([*model, "+model.head_parameters=[]", "+plugins=[tp]", "plugins.tp.degree=2"], tmp_path / "unsplit",
+                      env=env, expect_success=False)
+    assert ("4 attention sinks for 2 query heads: under tensor parallel, list the sinks in "
+            "TensorParallelLayout.head_parameters") in unsplit.stderr

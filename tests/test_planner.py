@@ -92,6 +92,20 @@ def test_predicted_peak_matches_torchs_memory_tracker(overrides):
 
 
 @pytest.mark.parametrize("overrides", [
+    ("model=gpt_oss_tiny",), ("model=deepseek_v3_tiny",), ("model=gpt_oss_tiny", "+plugins=[ac]", "plugins.ac.mode=full"),
+], ids=["gpt-oss", "deepseek-v3", "gpt-oss-ac-full"])
+def test_a_mixture_of_experts_is_planned_within_10_percent_of_torchs_tracker(overrides):
+    """The core's MoE traced on meta tensors with every expert evenly loaded. The real step routes unevenly and pads
+    each expert's batch to the busiest one's (measured 2.4% to 7.6% more than the plan); leaving out the experts'
+    activations would miss a third."""
+    config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
+    predicted = result.memory()
+    measured = _tracked_step(config, registry, plan)
+    assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)
+    assert -0.10 < sum(predicted.values()) / measured["Total"] - 1 <= 0.01
+
+
+@pytest.mark.parametrize("overrides", [
     ("+plugins=[tp]", "plugins.tp.degree=2"), TP_NO_SP, DISTRIBUTED,
     ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "training.grad_accum_steps=2"),
     ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "training.grad_accum_steps=2",
@@ -375,7 +389,6 @@ def test_a_plugin_without_the_hook_is_reported_not_counted():
     (["--recommend-me"], "--recommend-me", "is not an option of the plan command"),
     (["training.global_batch_size=3", "launch.world_size=2", "+plugins=[fsdp]"], "training.global_batch_size",
      "do not split over 2"),
-    (["model=qwen3_moe_tiny"], "model.name", "cannot run on the meta device"),
 ])
 def test_bad_input_is_one_line_naming_the_field(args, field, words):
     with pytest.raises(ConfigError) as error:

@@ -27,12 +27,11 @@ def test_every_feasible_pair_is_in_some_stack():
     assert not matrix.uncovered_pairs(ROWS)
     assert all(matrix.world(row) <= matrix.MAX_RANKS for row in ROWS)
     labels = {label for row in ROWS for label, _, _ in row}
-    assert {"pp-DualPipeV", "hsdp", "simplefsdp", "cp-alltoall", "float8-rowwise", "qwen3", "deepseek-v3", "chunked-loss",
-            "block-causal",
-            "save-resume", "ep"} <= labels
+    assert {"pp-DualPipeV", "hsdp", "simplefsdp", "cp-alltoall", "float8-rowwise", "qwen3", "deepseek-v3", "gpt-oss",
+            "chunked-loss", "block-causal", "save-resume", "ep"} <= labels
     # Expert parallel only beside a model with experts: elsewhere its refusal would hide the other plugins.
     for labels in ({label for label, _, _ in row} for row in ROWS):
-        assert "ep" not in labels or labels & {"qwen3-moe", "deepseek-v3"}, labels
+        assert "ep" not in labels or labels & matrix.MODELS_WITH_EXPERTS, labels
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """A Hydra sweep over a world of one runs its jobs one after another in one process: nothing a job leaves behind
-may reach the next. Every model family, with the plugins that run in one process stacked (compile on one of
-them), sweeps a shape-changing option A, B, A: the third job must train exactly as the first, which ran in a
-fresh process."""
+may reach the next. A dense family, an outsider's and one with experts (whose model plugin object keeps the routing
+state every MoE family shares), with the plugins that run in one process stacked (compile on one of them), sweep
+a shape-changing option A, B, A: the third job must train exactly as the first, which ran in a fresh process."""
 
 import subprocess
 import sys
@@ -16,7 +16,6 @@ DEGREES = ["plugins.fsdp.degree=1", "plugins.tp.degree=1", "plugins.pp.degree=1"
 # caches and counters, belongs to the process whatever the model) on one family: each compile costs seconds.
 FAMILIES = {
     "llama3": ("tiny", "", "model.dim", "64,32,64"),
-    "qwen3": ("qwen3_tiny", "", "model.hidden_size", "64,32,64"),
     "qwen3_moe": ("qwen3_moe_tiny", ",compile,ep", "model.num_experts", "8,4,8"),
     "gpt2": ("gpt2_tiny", "", "model.n_embd", "64,32,64"),
 }

@@ -10,7 +10,9 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     capabilities      PIPELINE, TENSOR_PARALLEL, ... (titan_core.capabilities)
     the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name,
                       check_hf_config
-    attention seam    causal_attention, document_attention, document_causal_mask, document_ids, grouped
+    attention seam    causal_attention, masked_attention, attention_mask, route_masked_attention, document_ids,
+                      grouped
+    positions         rope_frequencies, yarn_frequencies, yarn_mscale
     experts           MoE, MoeOptions, SwiGLU, check_moe_options, ExpertRouting, init_routing_buffers
     the objective     add_loss, IGNORE_INDEX; the optimizer's groups: parameter_role, PARAMETER_ROLES, param_groups
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
@@ -22,17 +24,18 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
 """
 
-from titan_core.attention import causal_attention, document_attention, document_causal_mask, document_ids, grouped
+from titan_core.attention import (attention_mask, causal_attention, document_ids, grouped, masked_attention,
+                                  route_masked_attention)
 from titan_core.capabilities import (CHECKPOINTING, COMPILE, CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING,
                                      EXPERT_PARALLEL, MIXED_PRECISION, PARTIAL_DATA_PARALLEL, PIPELINE, SPLIT_BACKWARD,
                                      TENSOR_PARALLEL)
 from titan_core.data import load_tokenizer, special_tokens, tokenizer_file
 from titan_core.data_parallel import replicate_only_over, replicated_over
-from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, HFAdapter, ModelDescription, ParamInit,
-                                    TensorParallelLayout, attribute, canonical_name, check_hf_config, drop, lacks, read_options,
-                                    replace)
+from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, ModelDescription, ParamInit,
+                                    TensorParallelLayout, attribute, canonical_name, drop, lacks, read_options, replace)
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.hookspecs import hookimpl, hookspec
+from titan_core.huggingface import HFAdapter, StoredLayout, check_hf_config
 from titan_core.initialization import local_box
 from titan_core.job.model_folder import folder_config
 from titan_core.mesh import ParallelMesh, device_kind
@@ -47,6 +50,7 @@ from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Decl
 from titan_core.planner.estimate import Estimate
 from titan_core.planner.hardware import Hardware
 from titan_core.plugins import build_meta_model, model_description
+from titan_core.rope import rope_frequencies, yarn_frequencies, yarn_mscale
 from titan_core.train_state import Stateful, TrainState
 
 __version__ = "0.1.0"
@@ -58,12 +62,13 @@ __all__ = [
     "CHECKPOINTING", "COMPILE", "CONTEXT_PARALLEL", "DATA_PARALLEL_SHARDING", "EXPERT_PARALLEL", "MIXED_PRECISION",
     "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
     # the model
-    "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "CORE_ATTENTION",
+    "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "StoredLayout", "CORE_ATTENTION",
     "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
     # mixture-of-experts building blocks
+    "rope_frequencies", "yarn_frequencies", "yarn_mscale",
     "MoE", "MoeOptions", "SwiGLU", "check_moe_options", "ExpertRouting", "init_routing_buffers",
     # the attention seam
-    "causal_attention", "document_attention", "document_causal_mask", "document_ids", "grouped",
+    "causal_attention", "masked_attention", "attention_mask", "route_masked_attention", "document_ids", "grouped",
     # the objective, the optimizer's parameter groups
     "add_loss", "IGNORE_INDEX", "parameter_role", "PARAMETER_ROLES", "param_groups",
     # the run, data parallel, options

@@ -1,4 +1,5 @@
-"""The attention seam models call: causal, or causal within each document of a packed sequence.
+"""The attention seam models call: causal, or causal within each document of a packed sequence, optionally
+within a sliding window and with attention sinks.
 
 Training rows are cut from the stream ``BOS doc EOS BOS doc EOS ...``, so a row usually holds the end of
 one document and the start of others. With ``training.attention_mask=block_causal`` a token attends only
@@ -6,9 +7,14 @@ to earlier tokens of its own document, as if each document were trained alone. T
 token's document from the tokens themselves (a new document starts at every BOS) and hands
 ``document_ids`` to the model's forward, which passes them to :func:`causal_attention` in every block.
 
-A plugin that splits the sequence (context parallel) installs its own implementation for the duration
-of a micro-batch with :func:`document_attention`; without ``document_ids`` the seam is plain causal SDPA,
-which context parallel's ring attention intercepts as before.
+A model may also ask, block by block, for a sliding ``window`` (each token sees only its ``window`` latest
+tokens, itself included) and for attention ``sinks`` (gpt-oss: one learned logit per head joins the softmax's
+denominator, so a head may give little weight to every key). Anything beyond plain causal attention is a
+mask, computed by :func:`masked_attention`.
+
+A plugin that splits the sequence (context parallel) installs its own implementation of the masked case for
+the duration of a micro-batch with :func:`route_masked_attention`; plain causal attention is SDPA, which
+context parallel's ring attention intercepts.
 """
 
 from __future__ import annotations
@@ -18,18 +24,25 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 MASKS = ("causal", "block_causal")
 
+# Taken at import: context parallel replaces F.scaled_dot_product_attention by its ring inside a micro-batch, and
+# a masked attention has already gathered every key it needs.
+_local_sdpa = F.scaled_dot_product_attention
+
 # Installed by a plugin around a micro-batch. A module global rather than a ContextVar: torch.compile
 # guards on globals and would break its graph on a ContextVar lookup.
-_document_attention: Callable | None = None
+_masked_attention: Callable | None = None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
+                     *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of (batch, heads, seq, head_dim) tensors; within documents when ``document_ids``
-    (batch, seq) is given.
+    (batch, seq) is given; over each query's ``window`` latest keys (itself included) when given; with one
+    ``sinks`` logit per query head (heads,) in the softmax's denominator when given (a DTensor split by heads,
+    tensor parallel's, is taken locally).
 
     ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention: each serves ``q``'s heads in
     groups of consecutive ones), and are never repeated to ``q``'s count: the kernels read them shared, and
@@ -39,14 +52,45 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     width = v.shape[-1]
     if width < q.shape[-1]:
         # CPU's fused kernel and the context-parallel ring take one head width; zero value features add nothing.
-        return causal_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), document_ids)[..., :width]
-    if document_ids is None:
+        padded = F.pad(v, (0, q.shape[-1] - width))
+        return causal_attention(q, k, padded, document_ids, window=window, sinks=sinks)[..., :width]
+    if document_ids is None and window is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped(q, k))
-    if _document_attention is not None:
-        return _document_attention(q, k, v, document_ids)
+    if isinstance(sinks, DTensor):
+        sinks = sinks.to_local()
+    if sinks is not None and sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"{sinks.shape[0]} attention sinks for {q.shape[1]} query heads: under tensor parallel, list "
+                         "the sinks in TensorParallelLayout.head_parameters")
+    if _masked_attention is not None:
+        return _masked_attention(q, k, v, document_ids, window, sinks)
     positions = torch.arange(q.shape[2], device=q.device)
-    mask = document_causal_mask(document_ids, positions, document_ids, positions)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=grouped(q, k))
+    return masked_attention(q, k, v, attention_mask(positions, positions, document_ids, document_ids, window), sinks)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of (batch, heads, queries, head_dim) queries to (batch, kv_heads, keys, head_dim) keys and values
+    where ``mask`` (batch or 1, queries, keys) is true, with ``sinks`` (heads,) in each softmax's denominator.
+
+    A sink is exactly one more key every query sees, with a zero value and the head's sink as its logit. The fused
+    kernels take it as such: the sink key lives in ``group`` extra features (query heads per key head) where the
+    real keys are zero and each query head reads only its own one, so a head's grouped key serves each of its query
+    heads its own sink. Cost: ``group`` more features per head and one more key; the gradient reaches the sinks
+    through the kernels' key gradient.
+    """
+    if sinks is None:
+        return _local_sdpa(q, k, v, attn_mask=mask[:, None], enable_gqa=grouped(q, k))
+    batch, heads, queries, width = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    scale = width ** -0.5
+    select = torch.eye(group, dtype=q.dtype, device=q.device).repeat(kv_heads, 1)  # (heads, group)
+    q = torch.cat([q, select[None, :, None].expand(batch, heads, queries, group)], dim=-1)
+    sink_keys = torch.cat([k.new_zeros(kv_heads, width), (sinks / scale).view(kv_heads, group).to(k.dtype)], dim=-1)
+    k = torch.cat([F.pad(k, (0, group)), sink_keys[None, :, None].expand(batch, kv_heads, 1, width + group)], dim=2)
+    v = F.pad(v, (0, group, 0, 1))  # the sink's zero value; as wide as the keys for the kernels
+    mask = F.pad(mask, (0, 1), value=True)
+    return _local_sdpa(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=group > 1)[..., :width]
 
 
 def grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -54,11 +98,17 @@ def grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.shape[1] != k.shape[1]
 
 
-def document_causal_mask(query_documents: torch.Tensor, query_positions: torch.Tensor,
-                         key_documents: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """(batch, queries, keys) booleans: the key is at or before the query, in the same document."""
-    causal = key_positions[None, :] <= query_positions[:, None]
-    return causal[None] & (query_documents[:, :, None] == key_documents[:, None, :])
+def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                   query_documents: torch.Tensor | None = None, key_documents: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """(batch or 1, queries, keys) booleans: the key is at or before the query, less than ``window`` positions
+    before it when given, and in the same document when the (batch, seq) document ids are given."""
+    mask = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        mask = mask & (key_positions[None, :] > query_positions[:, None] - window)
+    if query_documents is None:
+        return mask[None]
+    return mask[None] & (query_documents[:, :, None] == key_documents[:, None, :])
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -68,11 +118,12 @@ def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def document_attention(implementation: Callable) -> Iterator[None]:
-    """Route document-masked attention to ``implementation(q, k, v, document_ids)`` inside the block."""
-    global _document_attention
-    previous, _document_attention = _document_attention, implementation
+def route_masked_attention(implementation: Callable) -> Iterator[None]:
+    """Inside the block, route every attention beyond plain causal to ``implementation(q, k, v, document_ids,
+    window, sinks)`` (each of the last three may be None)."""
+    global _masked_attention
+    previous, _masked_attention = _masked_attention, implementation
     try:
         yield
     finally:
-        _document_attention = previous
+        _masked_attention = previous

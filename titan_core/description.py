@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from titan_core.errors import ConfigError
+from titan_core.huggingface import HFAdapter
 
 # The attention seam context parallel understands: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
 # on (batch, heads, seq, head_dim) tensors, with no mask and nothing else mixing positions.
@@ -65,6 +66,8 @@ class TensorParallelLayout:
     field to the count the tp degree must divide (attention heads). Low-rank attention (MLA): ``block_replicated``
     modules run whole on every rank (down-projections, their norms), and ``head_shared`` ones (often an identity)
     output what every head uses, like a key shared by all heads: their gradient is summed over the ranks' heads.
+    ``head_parameters`` are a block's parameters holding one row per query head (attention sinks): split by rows
+    like the query projection's heads, and taken locally by the attention seam.
     """
 
     block_colwise: tuple[str, ...]
@@ -78,6 +81,7 @@ class TensorParallelLayout:
     divisible: Mapping[str, int] = field(default_factory=dict)
     block_replicated: tuple[str, ...] = ()
     head_shared: tuple[str, ...] = ()
+    head_parameters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,28 +114,6 @@ class ExpertsLayout:
     def layer(self) -> str:
         """The path, inside one block, of the mixture-of-experts sub-layer holding the experts."""
         return self.module.rpartition(".")[0]
-
-
-@dataclass(frozen=True)
-class HFAdapter:
-    """How the model reads and writes a Hugging Face folder (``config.json`` + safetensors).
-
-    ``config`` is the folder's config.json for this model, without the dtype fields. ``to_hf`` maps a canonical
-    parameter name to the file's tensor name; ``from_hf`` maps back (None for tensors the model does not hold).
-    ``tied`` maps a parameter to the one it is copied from when the file lacks it (tied word embeddings).
-    ``options_from_hf`` turns a config.json into this model's options (``model.*`` fields), for converting a
-    downloaded model into a titan-core preset. ``pieces`` reads folders that store a stacked parameter as many
-    tensors (released mixture-of-experts checkpoints keep each expert's projections apart): for a canonical name,
-    the file tensors of each index of its first dimension, concatenated along their own first dimension, or None
-    when it is stored whole; ``from_hf`` returns None for those pieces.
-    """
-
-    config: Mapping[str, Any]
-    to_hf: Callable[[str], str]
-    from_hf: Callable[[str], str | None]
-    options_from_hf: Callable[[Mapping[str, Any]], dict]
-    tied: Mapping[str, str] = field(default_factory=dict)
-    pieces: Callable[[str], list[list[str]] | None] = lambda name: None
 
 
 @dataclass(frozen=True)
@@ -230,17 +212,6 @@ def read_options(model_config, known, family: str, tokenizer_vocab_size: int) ->
         raise ConfigError("model.vocab_size", f"{options['vocab_size']} is smaller than the tokenizer's "
                           f"{tokenizer_vocab_size}", "set model.vocab_size=null to take the tokenizer's size")
     return options
-
-
-def check_hf_config(hf_config: Mapping[str, Any], family: str, **computed: tuple) -> None:
-    """Refuse a Hugging Face config.json that sets a field to a value the family's model does not compute
-    (``computed``: each field's values it does; an absent field is transformers' default and passes), rather
-    than import a model whose outputs differ from the file's."""
-    for field, values in computed.items():
-        if field in hf_config and hf_config[field] not in values:
-            raise ConfigError("model.path", f"config.json sets {field}={hf_config[field]!r}, which {family} does not "
-                              f"compute (only {' or '.join(map(repr, values))})",
-                              "start from a folder of a model this family's plugin builds")
 
 
 def lacks(description: ModelDescription, what: str, plugin: str) -> str:

@@ -14,6 +14,12 @@ the sum of its two best choice scores, and a token chooses only among the best `
 experts, which bounds the nodes its copies travel to) and ``routed_scaling_factor`` (the chosen experts'
 weights multiplied by it, after any renormalization).
 
+gpt-oss's experts are available too: ``router_bias`` (the router's logits have a learned bias),
+``expert_projection_bias`` (each expert's projections add a bias) and ``expert_activation=clamped_swiglu`` (the
+gate clamped above and the up projection on both sides at ``swiglu_limit``, then ``(up + 1) * gate *
+sigmoid(swiglu_alpha * gate)``). Its routing, a softmax over the chosen experts' logits, is ``softmax`` with
+``norm_topk_prob``: renormalizing the chosen experts' softmax scores gives the same weights.
+
 ``router_aux_loss_coef`` adds the classic load-balancing loss instead (Switch Transformer, DeepSeek's
 normalization): per MoE layer and micro-batch of T tokens, E / (k T^2) * sum_i c_i S_i, where c_i counts
 the copies expert i received and S_i sums its scores over the tokens (1 when the load and the scores
@@ -40,6 +46,7 @@ from titan_core.errors import ConfigError
 from titan_core.objective import add_loss
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 @dataclass
@@ -59,6 +66,11 @@ class MoeOptions:
     n_group: int = 1  # DeepSeek-V3: 8 groups of experts, a token choosing among the best topk_group of them
     topk_group: int = 1  # DeepSeek-V3: 4
     routed_scaling_factor: float = 1.0  # DeepSeek-V3: 2.5, on the chosen experts' weights
+    router_bias: bool = False  # gpt-oss: a bias on the router's logits
+    expert_projection_bias: bool = False  # gpt-oss: a bias on each expert's projections
+    expert_activation: str = "silu"  # or "clamped_swiglu" (gpt-oss)
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
+    swiglu_limit: float = 7.0  # clamped_swiglu: where the gate and up projections are clamped
 
     def sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has experts (every block unless the model says otherwise)."""
@@ -87,6 +99,12 @@ def check_moe_options(options: MoeOptions) -> None:
         raise ConfigError("model.topk_group", f"{options.topk_group} of {options.n_group} groups of {per_group} "
                           f"experts cannot hold {options.num_experts_per_tok} chosen experts",
                           f"choose 1 to {options.n_group} groups holding at least model.num_experts_per_tok experts")
+    if options.expert_activation not in EXPERT_ACTIVATIONS:
+        raise ConfigError("model.expert_activation", f"unknown expert activation '{options.expert_activation}'",
+                          f"use one of {', '.join(EXPERT_ACTIVATIONS)}")
+    if options.expert_activation == "clamped_swiglu" and not options.swiglu_limit > 0:
+        raise ConfigError("model.swiglu_limit", f"{options.swiglu_limit} clamps every gate below zero",
+                          "use a positive limit (gpt-oss: 7.0)")
     if not options.routed_scaling_factor > 0:
         raise ConfigError("model.routed_scaling_factor", f"{options.routed_scaling_factor} is not positive",
                           "use 1.0 (off) or DeepSeek-V3's 2.5")
@@ -110,6 +128,7 @@ class TopKRouter(nn.Module):
         self.score_function = args.score_function
         self.groups, self.chosen_groups, self.scale = args.n_group, args.topk_group, args.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+        self.bias = nn.Parameter(torch.empty(args.num_experts)) if args.router_bias else None
         # Saved with the weights, so that a resumed run keeps the balance it learned; sigmoid routers keep one even
         # when it does not move (a released DeepSeek-V3's, fine-tuned with the rate at 0).
         biased = args.router_bias_update_rate or args.score_function == "sigmoid"
@@ -118,7 +137,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, hidden) -> the chosen experts' weights and indices, each (tokens, top_k), and every
         expert's score (tokens, experts)."""
-        logits = F.linear(x, self.weight).float()
+        logits = F.linear(x, self.weight, self.bias).float()
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         if self.groups > 1:
@@ -138,13 +157,18 @@ class TopKRouter(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """Every expert's SwiGLU, applied to tokens already sorted by expert (``counts`` of each)."""
+    """Every expert's gated feed-forward, applied to tokens already sorted by expert (``counts`` of each)."""
 
     def __init__(self, args: MoeOptions):
         super().__init__()
         experts, hidden, inner = args.num_experts, args.hidden_size, args.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+        biased = args.expert_projection_bias
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inner)) if biased else None
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden)) if biased else None
+        self.clamped = args.expert_activation == "clamped_swiglu"
+        self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if tokens.is_cuda and tokens.dtype == torch.bfloat16:
@@ -153,11 +177,24 @@ class GroupedExperts(nn.Module):
             return self._gathered(tokens, counts)
         return self._padded(tokens, counts)
 
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if not self.clamped:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
     def _grouped(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # torch._grouped_mm: one kernel over variable-size groups (bf16; fp32 is refused on CPU in torch 2.13).
         ends = counts.cumsum(0, dtype=torch.int32)
-        gate, up = torch._grouped_mm(tokens, self.gate_up_proj.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
+        gate_up = torch._grouped_mm(tokens, self.gate_up_proj.transpose(-2, -1), offs=ends)
+        if self.gate_up_proj_bias is None:
+            return torch._grouped_mm(self.activate(gate_up), self.down_proj.transpose(-2, -1), offs=ends)
+        experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts,
+                                          output_size=len(tokens))
+        out = torch._grouped_mm(self.activate(gate_up + self.gate_up_proj_bias[experts]),
+                                self.down_proj.transpose(-2, -1), offs=ends)
+        return out + self.down_proj_bias[experts]
 
     def _padded(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # Each expert's tokens in one row of a (experts, most tokens, hidden) batch, then two batched matmuls.
@@ -165,9 +202,17 @@ class GroupedExperts(nn.Module):
         starts = counts.cumsum(0) - counts
         slots = torch.arange(len(tokens), device=tokens.device) - starts[experts]
         padded = tokens.new_zeros(len(counts), int(counts.max()) if len(tokens) else 0, tokens.shape[-1])
-        padded = padded.index_put((experts, slots), tokens)
-        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(-2, -1)).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(-2, -1))[experts, slots]
+        return self.batched(padded.index_put((experts, slots), tokens))[experts, slots]
+
+    def batched(self, padded: torch.Tensor) -> torch.Tensor:
+        """(experts, rows, hidden) -> (experts, rows, hidden): each expert's feed-forward on its own row."""
+        # Weights first: their gradients then come out of the matmul in their own layout and become the .grad
+        # as they are, where a transposed weight's gradient needed a copy as large as every expert's weights.
+        gate_up = torch.bmm(self.gate_up_proj, padded.mT).mT
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[:, None]
+        out = torch.bmm(self.down_proj, self.activate(gate_up).mT).mT
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[:, None]
 
     def _gathered(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # Static shapes for the compiler (the padded batch's size depends on the routing, which inductor
@@ -175,8 +220,11 @@ class GroupedExperts(nn.Module):
         # tokens x expert size, so only compiled fp32 or CPU runs take this path.
         experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts,
                                           output_size=len(tokens))
-        gate, up = torch.bmm(self.gate_up_proj[experts], tokens[:, :, None]).squeeze(-1).chunk(2, dim=-1)
-        return torch.bmm(self.down_proj[experts], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+        gate_up = torch.bmm(self.gate_up_proj[experts], tokens[:, :, None]).squeeze(-1)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[experts]
+        out = torch.bmm(self.down_proj[experts], self.activate(gate_up)[:, :, None]).squeeze(-1)
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[experts]
 
 
 class MoE(nn.Module):

@@ -5,7 +5,10 @@ and the core's loss runs on meta tensors while ``saved_tensors_hooks`` record ea
 backward (parameters and buffers left out). Attention is counted as the fused kernels GPUs run keep it
 (query, key, value, output and one float per head and token), not as the score matrix meta tensors would
 materialize, so every figure is linear in the tokens and a trace of a few tokens prices any sequence length.
-Any model plugin is measured this way: its description needs nothing more.
+The core's mixture-of-experts layer routes by value, which meta tensors lack: while tracing, each expert receives an
+equal share of the token copies (the load balancing aims at), run as one batch per expert. Any model plugin is
+measured this way: its description needs nothing more (a model with its own experts' layer must route without
+values).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_core import attention
 from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
+from titan_core.moe.layer import MoE
 
 # Positions traced (at most): enough for every shape to be general, few enough to be instant for 405B.
 TRACE_TOKENS = 64
@@ -208,6 +213,21 @@ def _fused_attention(q, k, v, *args, **kwargs):
     return _FusedAttention.apply(q, k, v)
 
 
+def _evenly_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The core MoE's forward with every expert given an equal share of the token copies (rounded up)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, experts, _ = moe.gate(x)
+    copies = experts.numel()
+    share = -(-copies // moe.num_experts)
+    token = torch.arange(moe.num_experts * share, device=x.device) % copies // experts.shape[1]
+    out = moe.experts.batched(x[token].unflatten(0, (moe.num_experts, share))).flatten(0, 1)[:copies]
+    out = torch.zeros_like(x).index_add(0, token[:copies], out * weights.flatten()[:, None])
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(x)
+    return out.reshape(shape)
+
+
 @contextlib.contextmanager
 def _patched(owner, name, value):
     original = getattr(owner, name)
@@ -216,6 +236,13 @@ def _patched(owner, name, value):
         yield
     finally:
         setattr(owner, name, original)
+
+
+def _tracing_patches():
+    """Attention counted as the fused kernels keep it (plain causal, and the seam's masked kernel); the core's
+    experts evenly loaded."""
+    return (_patched(F, "scaled_dot_product_attention", _fused_attention),
+            _patched(attention, "_local_sdpa", _fused_attention), _patched(MoE, "forward", _evenly_routed))
 
 
 def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_len: int) -> ModelFacts:
@@ -238,21 +265,23 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t))
-            stack.enter_context(_patched(F, "scaled_dot_product_attention", _fused_attention))
+            for patch in _tracing_patches():
+                stack.enter_context(patch)
             stack.enter_context(tracer)
             try:
                 logits = model(tokens)
             except (NotImplementedError, RuntimeError) as error:
-                # Routing by value (a mixture of experts counting its tokens per expert) needs real numbers.
+                # A layer of the model's own that needs values (counting its tokens per expert) cannot run.
                 raise ConfigError("model.name", f"model '{description.family}' cannot run on the meta device, which "
                                   f"the planner traces it on: {str(error).splitlines()[0]}",
-                                  "plan a model whose forward needs no values (mixture-of-experts routing is not "
-                                  "planned yet)") from None
+                                  "plan a model whose forward needs no values (the core's MoE layer routes "
+                                  "without them while planned)") from None
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
         # Backward frees what forward kept as it goes: only autograd holds those tensors from here.
         tracer.kept_alive.clear()
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_patched(F, "scaled_dot_product_attention", _fused_attention))
+            for patch in _tracing_patches():
+                stack.enter_context(patch)
             stack.enter_context(tracer)
             tracer.mark("backward", -1)
             loss.backward()

@@ -24,10 +24,14 @@ MATMULS = ("mm", "_scaled_mm")
 # parallel's experts): counted as ops, they failed backward with "invocation index ... not found".
 # Waits on functional collectives are lazy (on a result's first use), so a compiled region and its
 # recomputation need not wait the same number of times (tp x ep x compile failed the same way); the
-# collective itself stays counted and is saved or rerun like any op.
+# collective itself stays counted and is saved or rerun like any op. An FSDP unit of one rank (expert parallel's
+# experts when ep takes every dp_shard rank) unshards by a copy_ inside the block, in recomputation even where
+# forward found the parameters unsharded (a pipeline with reshard_after_forward=always failed "aten.copy_.default
+# encountered during backward but not found in storage"); the policy below never saves a mutable op, so copy_
+# is rerun either way and only its count is skipped.
 SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                         torch.ops.profiler._record_function_exit._RecordFunction,
-                        torch.ops._c10d_functional.wait_tensor.default})
+                        torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten.copy_.default})
 
 
 @hookimpl

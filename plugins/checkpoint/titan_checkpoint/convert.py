@@ -23,7 +23,7 @@ from safetensors.torch import save_file as save_safetensors
 
 from titan_core import FLOAT_DTYPES, ConfigError, HFAdapter, ModelDescription, lacks, load_tokenizer, model_description
 from titan_checkpoint.files import Deletions, partial_of, save_file, swap_in
-from titan_checkpoint.hf import file_names, write_hf_index
+from titan_checkpoint.hf import file_names, file_tensor, write_hf_index
 from titan_checkpoint.state import allocate, read_metadata
 
 
@@ -68,7 +68,8 @@ def write_hf_share(checkpoint: Path, folder: Path, dtype: torch.dtype, metadata:
         return weight_map, total, 0
     tensors = allocate({k: metadata[k] for k in shares[rank]}, "model.")
     load_in_this_process(tensors, checkpoint)
-    save_safetensors({adapter.to_hf(k[len("model."):]): t.to(dtype).contiguous() for k, t in tensors.items()},
+    save_safetensors({adapter.to_hf(k[len("model."):]): file_tensor(adapter, k[len("model."):], t.to(dtype))
+                      for k, t in tensors.items()},
                      folder / files[rank], metadata={"format": "pt"})
     return weight_map, total, sum(t.nbytes for t in tensors.values())
 

@@ -26,7 +26,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 def export_hf(weights: dict[str, torch.Tensor], adapter: HFAdapter, folder: Path, dtype: torch.dtype = torch.float32,
               tokenizer=None, shard_bytes: int = 5 * 2**30) -> None:
     """Write ``weights`` (full tensors by canonical name) as a Hugging Face folder of the adapter's model."""
-    converted = {adapter.to_hf(name): tensor.detach().to("cpu", dtype).contiguous() for name, tensor in weights.items()}
+    converted = {adapter.to_hf(name): file_tensor(adapter, name, tensor.detach().to("cpu", dtype))
+                 for name, tensor in weights.items()}
     folder.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     for name, tensor in converted.items():
@@ -38,6 +39,12 @@ def export_hf(weights: dict[str, torch.Tensor], adapter: HFAdapter, folder: Path
         save_file(shard, folder / file, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
     write_hf_index(folder, weight_map, sum(t.nbytes for t in converted.values()), adapter, dtype, tokenizer)
+
+
+def file_tensor(adapter: HFAdapter, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Parameter ``name``'s tensor arranged as the file stores it."""
+    layout = adapter.stored(name)
+    return (tensor if layout is None else layout.to_file(tensor)).contiguous()
 
 
 def file_names(count: int) -> list[str]:
@@ -121,7 +128,9 @@ def hf_shapes(folder: Path, adapter: HFAdapter, names) -> dict[str, tuple]:
         for name in names:
             hf_name = source_name(name, adapter, files)
             if hf_name is not None:
-                shapes[f"model.{name}"] = shape(hf_name)
+                layout = adapter.stored(name)
+                stored = shape(hf_name)
+                shapes[f"model.{name}"] = stored if layout is None else tuple(stored[i] for i in layout.model_order())
                 read.add(hf_name)
             elif (grid := stored_in_pieces(name, adapter, files)) is not None:
                 first = [shape(piece) for piece in grid[0]]
@@ -156,8 +165,9 @@ def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter, names: set[str
                     grid = stored_in_pieces(canonical_name(name), adapter, files)
                     read += _load_pieces(local, box, grid, lambda piece: handles[files[piece]].get_slice(piece))
                     continue
-                values = handles[files[hf_name]].get_slice(hf_name)[box]
-                local.copy_(values.to(local.dtype))
+                layout = adapter.stored(canonical_name(name))
+                values = handles[files[hf_name]].get_slice(hf_name)[box if layout is None else layout.file_box(box)]
+                local.copy_((values if layout is None else layout.model_box(values, box)).to(local.dtype))
                 read += values.nbytes
     return read
 
@@ -190,7 +200,9 @@ def import_hf(folder: Path, adapter: HFAdapter) -> tuple[dict, dict[str, torch.T
         for hf_name, path in files.items():
             name = adapter.from_hf(hf_name)
             if name is not None:
-                weights[name] = handles[path].get_tensor(hf_name)
+                layout = adapter.stored(name)
+                tensor = handles[path].get_tensor(hf_name)
+                weights[name] = tensor if layout is None else layout.from_file(tensor).contiguous()
     for name, source in adapter.tied.items():
         if name not in weights and source in weights:
             weights[name] = weights[source].clone()

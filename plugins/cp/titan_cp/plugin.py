@@ -22,12 +22,10 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_tensor, all_gather_tensor_autograd
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import context_parallel
-# Taken before any context_parallel() replaces F.scaled_dot_product_attention with its ring version.
-from torch.nn.functional import scaled_dot_product_attention as local_sdpa
 
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
 from titan_core import (CONTEXT_PARALLEL, CORE_ATTENTION, CP, DATA_PARALLEL_SHARDING, SDPA_CAUSAL, ConfigError,
-                        Declaration, attribute, document_attention, document_causal_mask, grouped, hookimpl, lacks)
+                        Declaration, attention_mask, attribute, hookimpl, lacks, masked_attention, route_masked_attention)
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -106,27 +104,27 @@ def _sequence_split(inputs, labels, model_kwargs, model_parts, cp_mesh, plan):
                                                buffer_seq_dims=[1, 1, *(1 for _ in per_token), 0,
                                                                 *(0 for _ in positions)],
                                                no_restore_buffers=set(spent)))
-        if "document_ids" in model_kwargs:
-            context.enter_context(document_attention(gathered_document_attention(cp_mesh.get_group(),
-                                                                                 token_positions)))
+        context.enter_context(route_masked_attention(gathered_attention(cp_mesh.get_group(), token_positions)))
         yield
 
 
-def gathered_document_attention(group, token_positions: torch.Tensor):
-    """Document-masked attention over the whole sequence: every rank gathers all keys and values.
+def gathered_attention(group, token_positions: torch.Tensor):
+    """Masked attention (documents, sliding windows, sinks) over the whole sequence: every rank gathers all keys
+    and values.
 
-    The ring's log-sum-exp merging has no mask, so here each rank all-gathers the keys, values, document
-    ids and positions of the cp group and masks by global position and document. Memory per rank is
-    that of the whole sequence's keys and values; the gradient of the gathered keys and values is
-    reduce-scattered back to their ranks.
+    The ring's log-sum-exp merging has no mask, so here each rank all-gathers the keys, values, document ids
+    and positions of the cp group and masks by global position (and document, and window). A sink joins each
+    query's softmax once, on the rank holding the query. Memory per rank is that of the whole sequence's keys
+    and values; the gradient of the gathered keys and values is reduce-scattered back to their ranks.
     """
-    def attend(q, k, v, document_ids):
+    def attend(q, k, v, document_ids, window, sinks):
         keys = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group)
         values = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group)
-        key_documents = all_gather_tensor(document_ids.contiguous(), gather_dim=1, group=group)
         key_positions = all_gather_tensor(token_positions, gather_dim=0, group=group)
-        mask = document_causal_mask(document_ids, token_positions, key_documents, key_positions)
-        return local_sdpa(q, keys, values, attn_mask=mask[:, None], enable_gqa=grouped(q, keys))
+        key_documents = (None if document_ids is None
+                         else all_gather_tensor(document_ids.contiguous(), gather_dim=1, group=group))
+        mask = attention_mask(token_positions, key_positions, document_ids, key_documents, window)
+        return masked_attention(q, keys, values, mask, sinks)
     return attend
 
 

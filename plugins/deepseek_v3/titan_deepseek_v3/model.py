@@ -17,14 +17,13 @@ Names follow transformers' DeepseekV3ForCausalLM without the ``model.`` prefix.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core import MoE, MoeOptions, SwiGLU, causal_attention
+from titan_core import MoE, MoeOptions, SwiGLU, causal_attention, yarn_frequencies, yarn_mscale
 
 
 @dataclass
@@ -68,24 +67,12 @@ class DeepseekV3Args(MoeOptions):
         return layer >= self.first_k_dense_replace
 
 
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_table(args: DeepseekV3Args) -> torch.Tensor:
     """cos and sin of every position's rotation angles, YaRN-scaled: shape (seq_len, qk_rope_head_dim // 2, 2)."""
-    dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_scaling_factor
-    freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    magnitude = 1.0
-    if factor > 1:
-        def correction_dim(rotations: float) -> float:  # the feature pair that turns ``rotations`` times
-            turns = args.original_max_position_embeddings / (rotations * 2 * math.pi)
-            return dim * math.log(turns) / (2 * math.log(base))
-        low = max(math.floor(correction_dim(args.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
-        freqs = freqs / factor * ramp + freqs * (1 - ramp)
-        magnitude = yarn_mscale(factor, args.mscale) / yarn_mscale(factor, args.mscale_all_dim)
+    factor = args.rope_scaling_factor
+    freqs = yarn_frequencies(args.qk_rope_head_dim, args.rope_theta, factor, args.original_max_position_embeddings,
+                             args.beta_fast, args.beta_slow)
+    magnitude = yarn_mscale(factor, args.mscale) / yarn_mscale(factor, args.mscale_all_dim)
     angles = torch.arange(args.seq_len, dtype=torch.float32)[:, None] * freqs
     return torch.stack([angles.cos(), angles.sin()], dim=-1) * magnitude
 

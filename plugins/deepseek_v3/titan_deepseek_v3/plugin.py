@@ -16,6 +16,8 @@ OPTIONS = tuple(f.name for f in dataclasses.fields(DeepseekV3Args) if f.name != 
 YARN = ("rope_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # transformers' names where they differ from ours (the experts' options take Qwen3-MoE's, shared by the core's MoE).
 HF_NAMES = {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"}
+# The core MoE's options for gpt-oss's experts, which transformers' DeepSeek-V3 has not.
+GPT_OSS_EXPERTS = ("router_bias", "expert_projection_bias", "expert_activation", "swiglu_alpha", "swiglu_limit")
 
 
 def deepseek_v3_args(model_config, vocab_size: int, seq_len: int) -> DeepseekV3Args:
@@ -63,8 +65,8 @@ def flops_per_token(args: DeepseekV3Args):
 
 def hf_config(args: DeepseekV3Args) -> dict:
     values = {HF_NAMES.get(name, name): getattr(args, name) for name in OPTIONS
-              if name not in YARN and name not in ("rope_theta", "score_function", "router_bias_update_rate",
-                                                   "router_aux_loss_coef")}
+              if name not in YARN and name not in GPT_OSS_EXPERTS and name not in (
+                  "rope_theta", "score_function", "router_bias_update_rate", "router_aux_loss_coef")}
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling_factor > 1:
         rope |= {"rope_type": "yarn", "factor": args.rope_scaling_factor,
@@ -118,6 +120,12 @@ def expert_pieces(args: DeepseekV3Args):
     return pieces
 
 
+def transformers_routing(args: DeepseekV3Args) -> bool:
+    """Whether transformers' DeepSeek-V3 computes what these options do (sigmoid scores, plain SwiGLU experts)."""
+    return (args.score_function, args.router_bias, args.expert_projection_bias, args.expert_activation) == (
+        "sigmoid", False, False, "silu")
+
+
 def tensor_parallel_layout(args: DeepseekV3Args) -> TensorParallelLayout:
     """Heads split (the query's and the latent's up-projections by output, the output projection by input), the
     down-projections and their norms whole on every rank, the shared rotated key's gradient summed over ranks."""
@@ -147,7 +155,7 @@ def describe(args: DeepseekV3Args) -> ModelDescription:
         # transformers' DeepSeek-V3 routes by sigmoid scores, with the balancing bias it reads and never moves.
         hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {},
-                     pieces=expert_pieces(args)) if args.score_function == "sigmoid" else None,
+                     pieces=expert_pieces(args)) if transformers_routing(args) else None,
     )
 
 

@@ -25,7 +25,8 @@ class Qwen3MoeArgs(Qwen3Args, MoeOptions):
     def qwen3_routing(self) -> bool:
         """Whether transformers' Qwen3-MoE computes the same (no DeepSeek-V3 option in use)."""
         return ((self.score_function, self.num_shared_experts, self.router_bias_update_rate, self.n_group,
-                 self.routed_scaling_factor) == ("softmax", 0, 0.0, 1, 1.0))
+                 self.routed_scaling_factor, self.router_bias, self.expert_projection_bias, self.expert_activation)
+                == ("softmax", 0, 0.0, 1, 1.0, False, False, "silu"))
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0

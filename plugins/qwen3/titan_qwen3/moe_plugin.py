@@ -14,8 +14,9 @@ from titan_qwen3 import plugin as qwen3
 
 FAMILY = "qwen3_moe"
 OPTIONS = tuple(f.name for f in dataclasses.fields(Qwen3MoeArgs) if f.name != "seq_len")
-DEEPSEEK_ROUTING = ("score_function", "num_shared_experts", "router_bias_update_rate", "n_group", "topk_group",
-                    "routed_scaling_factor")  # not in HF's Qwen3-MoE
+OTHER_ROUTING = ("score_function", "num_shared_experts", "router_bias_update_rate", "n_group", "topk_group",
+                 "routed_scaling_factor", "router_bias", "expert_projection_bias", "expert_activation", "swiglu_alpha",
+                 "swiglu_limit")  # DeepSeek-V3's and gpt-oss's, not in HF's Qwen3-MoE
 
 
 def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
@@ -51,7 +52,7 @@ def flops_per_token(args: Qwen3MoeArgs):
 
 
 def hf_config(args: Qwen3MoeArgs) -> dict:
-    options = tuple(name for name in OPTIONS if name not in DEEPSEEK_ROUTING)
+    options = tuple(name for name in OPTIONS if name not in OTHER_ROUTING)
     return {**qwen3.hf_config(args, options, "Qwen3MoeForCausalLM", "qwen3_moe"),
             "mlp_only_layers": list(args.mlp_only_layers)}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
@@ -148,6 +148,8 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
         replicate_norm(block.get_submodule(name), tp_mesh)
     for name in layout.head_shared:
         block.get_submodule(name).register_forward_hook(lambda module, args, output: sum_gradient_over(output, tp_mesh))
+    for name in layout.head_parameters:
+        split_by_heads(block, name, tp_mesh)
     if experts_layer is not None:
         split_tokens(block.get_submodule(experts_layer), tp_mesh, sp)
 
@@ -209,6 +211,15 @@ def gather_stream_on_entry(region: nn.Module, tp_mesh) -> None:
             stream = DTensor.from_local(stream, tp_mesh, [Shard(1)], run_check=False)
         return (stream.redistribute(placements=[Replicate()]).to_local(), *args[1:])
     region.register_forward_pre_hook(gather)
+
+
+def split_by_heads(block: nn.Module, name: str, tp_mesh) -> None:
+    """A parameter with one row per query head, split by rows like the heads (each rank keeps its own heads')."""
+    path, _, attr = name.rpartition(".")
+    module = block.get_submodule(path)
+    param = getattr(module, attr)
+    module.register_parameter(attr, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(0)], src_data_rank=None),
+                                                 requires_grad=param.requires_grad))
 
 
 def sum_gradient_over(shared: torch.Tensor, tp_mesh) -> torch.Tensor:
