@@ -246,6 +246,27 @@ def test_each_plugin_changes_what_its_technique_changes():
     assert {p for p in sharded.counted} == {"fsdp"} and not alone.not_counted
 
 
+def test_expert_parallel_gathers_only_its_experts_and_waits_for_the_all_to_all():
+    """fsdp 4 x ep 2 on gpt-oss: each rank gathers (and reduces) half of every block's experts, holds the same
+    states as fsdp 4 alone, and sends its token copies (2 per token) to their experts and back, in forward and in
+    backward."""
+    tiny = ("model=gpt_oss_tiny", "launch.world_size=4", "plugins.fsdp.degree=4")
+    *_, fsdp = _estimate(*tiny, "+plugins=[fsdp]")
+    *_, ep = _estimate(*tiny, "+plugins=[fsdp,ep]", "plugins.ep.degree=2")
+    facts = ep.facts
+    experts = sum(facts.block_expert_params)
+    assert experts > sum(facts.block_params) / 2  # most of each block
+    assert ep.held_gathered() == pytest.approx(fsdp.held_gathered() - experts / 2)
+    assert ep.memory()["optimizer"] == pytest.approx(fsdp.memory()["optimizer"])
+    assert "ep" in ep.counted and not ep.not_counted
+    copy_bytes = 2 * 64 * torch.finfo(ep.compute_dtype).bits // 8  # 2 copies of a 64-wide token
+    assert facts.block_expert_input == (copy_bytes,) * 4
+    [all_to_all] = [c for c in ep.collectives if c.plugin == "ep"]
+    step_tokens = ep.microbatch_tokens * ep.microbatches_per_step()
+    assert evaluated(all_to_all.bytes, ep) == pytest.approx(4 * 4 * copy_bytes * step_tokens / 2)
+    assert ep.collective_calls(all_to_all) == 5 * 4 * ep.microbatches_per_step()
+
+
 OUTSIDER = '''
 from titan_core import hookimpl
 

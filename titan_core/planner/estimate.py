@@ -50,7 +50,9 @@ def evaluated(amount, estimate: Estimate) -> float:
 class Estimate:
     """One rank's costs, the most loaded rank where ranks differ. Plugins change these fields:
 
-    Where parameters live: ``weight_split`` (ranks each weight is split over: tensor parallel),
+    Where parameters live: ``weight_split`` (ranks each weight is split over: tensor parallel, which leaves a
+    mixture of experts' weights whole and splits its tokens instead), ``expert_split`` (ranks each block's experts
+    are divided among: expert parallel),
     ``state_shards`` (ranks the parameters, gradients and optimizer states are sharded over: FSDP),
     ``blocks`` (indices of the blocks this rank holds; ``holds_inputs``/``holds_outputs``: whether it runs the
     embeddings and the output: pipeline stages), ``compute_dtype`` (what activations and gathered weights are
@@ -87,6 +89,7 @@ class Estimate:
     facts_in: Callable[[torch.dtype], ModelFacts]
     device_type: str = "cuda"
     weight_split: int = 1
+    expert_split: int = 1
     state_shards: int = 1
     blocks: list[int] = field(default_factory=list)
     holds_inputs: bool = True
@@ -167,6 +170,21 @@ class Estimate:
 
     def largest_block_params(self) -> int:
         return max((self.facts.block_params[i] for i in self.blocks), default=0)
+
+    def block_gathered(self, index: int) -> float:
+        """Parameters of block ``index`` this rank computes with, once gathered from any sharding: its share of the
+        split weights and of the experts."""
+        experts = self.facts.block_expert_params[index]
+        return (self.facts.block_params[index] - experts) / self.weight_split + experts / self.expert_split
+
+    def held_gathered(self) -> float:
+        """Parameters of the parts this rank holds that it computes with, once gathered (what a sharder gathers
+        and reduces)."""
+        blocks = sum(self.block_gathered(i) for i in self.blocks)
+        return blocks + (self.held_params() - sum(self.facts.block_params[i] for i in self.blocks)) / self.weight_split
+
+    def largest_block_gathered(self) -> float:
+        return max((self.block_gathered(i) for i in self.blocks), default=0.0)
 
     @property
     def microbatch_tokens(self) -> float:

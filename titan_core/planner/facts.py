@@ -55,6 +55,9 @@ class ModelFacts:
     ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients);
     ``block_ops[i]``: aten operators block ``i``'s forward and backward run, ``outer_ops``: those of the rest
     and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's.
+    ``block_expert_params[i]``: the parameters of block ``i``'s experts module (``ModelDescription.experts``; 0 in a
+    dense block), ``block_expert_input[i]``: bytes per token of the token copies entering it (what expert parallel
+    sends to the experts' ranks and back).
     """
 
     block_params: tuple[int, ...]
@@ -74,6 +77,8 @@ class ModelFacts:
     block_ops: tuple[int, ...]
     outer_ops: int
     parameter_tensors: int
+    block_expert_params: tuple[int, ...]
+    block_expert_input: tuple[float, ...]
 
     @property
     def params(self) -> int:
@@ -111,6 +116,7 @@ class _Tracer(TorchDispatchMode):
         self.block_input = 0.0
         self.stream_shape: tuple[int, ...] = ()
         self.attention_kv = 0.0
+        self.expert_input = [0.0] * n_blocks
         # Backward: every allocation and free in order, and where each block's backward starts and ends.
         self.timeline: list[tuple[str, int, int]] = []
         self.alive: dict[int, int] = {}  # id of a live storage -> its key
@@ -137,6 +143,10 @@ class _Tracer(TorchDispatchMode):
         self.matmuls = 0
         self.block_input = _nbytes(args[0]) / self.positions
         self.stream_shape = tuple(args[0].shape)
+
+    def enter_experts(self, tokens: torch.Tensor) -> None:
+        """The token copies entering the running block's experts."""
+        self.expert_input[self.block] += _nbytes(tokens) / self.positions
 
     def leave(self, module, args, output) -> None:
         self.block = self.counting = None
@@ -221,6 +231,7 @@ def _evenly_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     copies = experts.numel()
     share = -(-copies // moe.num_experts)
     token = torch.arange(moe.num_experts * share, device=x.device) % copies // experts.shape[1]
+    _Tracer.active.enter_experts(x[token[:copies]])
     out = moe.experts.batched(x[token].unflatten(0, (moe.num_experts, share))).flatten(0, 1)[:copies]
     out = torch.zeros_like(x).index_add(0, token[:copies], out * weights.flatten()[:, None])
     if moe.shared_experts is not None:
@@ -260,6 +271,9 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
         block.register_forward_hook(tracer.leave)
         block.register_full_backward_pre_hook(functools.partial(tracer.mark, "start", index))
         block.register_full_backward_hook(functools.partial(tracer.mark, "end", index))
+        experts = description.experts_of(block)
+        if experts is not None:  # a model's own experts module (the core's runs evenly routed, below)
+            experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(args[0]))
     tokens = torch.zeros(1, tracer.positions, dtype=torch.long, device="meta")
     _Tracer.active = tracer
     try:
@@ -310,7 +324,10 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
-                      parameter_tensors=len(list(model.parameters())))
+                      parameter_tensors=len(list(model.parameters())),
+                      block_expert_params=tuple(sum(p.numel() for p in experts.parameters()) if experts is not None else 0
+                                                for experts in map(description.experts_of, blocks)),
+                      block_expert_input=tuple(tracer.expert_input))
 
 
 class OperatorCounter(TorchDispatchMode):

@@ -152,7 +152,7 @@ def estimate_costs(estimate, plugin_config, plan):
         plugin_config.reshard_after_forward == "default" and not pipelined)
 
     def gathered(e):  # bytes of the weights one rank holds, as gathered
-        return e.held_params() / e.weight_split * gathered_bytes(e)
+        return e.held_gathered() * gathered_bytes(e)
 
     def sent(e, total):
         return total * (shards - 1) / shards
@@ -170,33 +170,33 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.add_collective("all-gather of the weights", (DP_SHARD, CP), lambda e: sent(e, gathers * gathered(e)),
                             overlapped=True, plugin="fsdp", calls=gather_calls)
     estimate.add_collective("reduce-scatter of the gradients", (DP_SHARD, CP),
-                            lambda e: sent(e, reductions * e.held_params() / e.weight_split * reduce_bytes),
+                            lambda e: sent(e, reductions * e.held_gathered() * reduce_bytes),
                             overlapped=True, plugin="fsdp", calls=lambda e: reductions * units(e))
     replicas = plan.degree(DP_REPLICATE)
     if replicas > 1:
         estimate.add_collective("all-reduce of the gradient shards", (DP_REPLICATE,),
-                                lambda e: 2 * reductions * e.held_params() / e.weight_split / shards * reduce_bytes
+                                lambda e: 2 * reductions * e.held_gathered() / shards * reduce_bytes
                                 * (replicas - 1) / replicas, overlapped=True, plugin="fsdp",
                                 calls=lambda e: reductions * units(e))
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered and their gradients unreduced until the
         # last micro-batch's backward: whole, for every block of the rank.
-        estimate.add_memory("buffers", lambda e: e.held_params() / e.weight_split * gathered_bytes(e),
+        estimate.add_memory("buffers", lambda e: e.held_gathered() * gathered_bytes(e),
                             "weights gathered for the whole step (pipeline)", "fsdp")
-        estimate.add_memory("buffers", lambda e: e.held_params() / e.weight_split * reduce_bytes,
+        estimate.add_memory("buffers", lambda e: e.held_gathered() * reduce_bytes,
                             "gradients accumulated whole until the last micro-batch (pipeline)", "fsdp")
         return
     if reductions < micro:
         # Reduced in the last micro-batch only: until then each parameter's gradient accumulates whole.
-        estimate.add_memory("buffers", lambda e: e.held_params() / e.weight_split * reduce_bytes,
+        estimate.add_memory("buffers", lambda e: e.held_gathered() * reduce_bytes,
                             "gradients accumulated whole until the last micro-batch (reduce_gradients)", "fsdp")
     # As backward starts, the last block (never resharded) and the output layer's unit are gathered; then the
     # block running backward, the ones prefetched, and the gradients of the one before being reduced.
-    estimate.add_memory("buffers", lambda e: (e.largest_block_params() + e.facts.outputs_params * e.holds_outputs)
-                        / e.weight_split * gathered_bytes(e), "the last block and the output gathered", "fsdp",
-                        when="start")
+    estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() + e.facts.outputs_params * e.holds_outputs
+                                              / e.weight_split) * gathered_bytes(e),
+                        "the last block and the output gathered", "fsdp", when="start")
     in_flight = 1 + max(plugin_config.prefetch, 1)
-    estimate.add_memory("buffers", lambda e: e.largest_block_params() / e.weight_split * (
+    estimate.add_memory("buffers", lambda e: e.largest_block_gathered() * (
         in_flight * gathered_bytes(e) + reduce_bytes), "gathered blocks and a reduce-scatter", "fsdp", when="blocks")
 
 

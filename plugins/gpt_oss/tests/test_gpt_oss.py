@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf, load_hf_slices
+from titan_core import ConfigError, MoE
 from titan_core.testing import LOSS_TOL, PARAM_TOL, config_error, model_conformance
 from titan_gpt_oss.model import GptOss
-from titan_gpt_oss.plugin import describe, gpt_oss_args
+from titan_gpt_oss.plugin import describe, gpt_oss_args, options_from_hf
 
 CONF = Path(__file__).resolve().parents[1] / "titan_gpt_oss/conf/model"
 TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -100,6 +101,55 @@ def test_a_transformers_folder_imports_with_its_logits_and_the_export_reads_back
                                                            attn_implementation="eager").eval()
     with torch.no_grad():
         assert (again(TOKENS).logits - expected).abs().max().item() <= 1e-5
+
+
+def expert_by_expert(experts, tokens, counts):
+    """The for-loop reference (TorchTitan's grouped-experts test compares its fused kernel with one): each expert's
+    biased, clamped feed-forward on its own tokens, written from transformers' formula."""
+    outputs = []
+    for expert, rows in enumerate(tokens.split(counts.tolist())):
+        gate, up = (rows @ experts.gate_up_proj[expert].T + experts.gate_up_proj_bias[expert]).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=experts.limit), up.clamp(-experts.limit, experts.limit)
+        hidden = (up + 1) * gate * torch.sigmoid(gate * experts.alpha)
+        outputs.append(hidden @ experts.down_proj[expert].T + experts.down_proj_bias[expert])
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_three_expert_kernels_match_an_expert_by_expert_loop(dtype):
+    """torch._grouped_mm (GPUs in bf16; this CPU runs it in bf16 only), the padded batch (eager) and the gathered
+    weights (compiled) with gpt-oss's biases and clamp, forward and gradients, against the loop in fp32 on the same
+    weights. Weights large enough that the clamp bites; bf16 is off by 0.4% of the outputs' scale, a bias taken
+    from the wrong expert by 17%."""
+    torch.manual_seed(0)
+    experts = MoE(args()).experts.to(dtype)
+    for param in experts.parameters():
+        param.data.normal_(0, 0.5)
+    reference = MoE(args()).experts
+    reference.load_state_dict({name: value.float() for name, value in experts.state_dict().items()})
+    tokens = torch.randn(20, 64, dtype=dtype)
+    counts = torch.tensor([5, 0, 3, 4, 0, 6, 1, 1])
+    expected = expert_by_expert(reference, tokens.float(), counts)
+    grad = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, list(reference.parameters()), grad)
+    bound = 1e-2 if dtype == torch.bfloat16 else 1e-5  # of each tensor's largest value
+
+    def assert_near(ours, theirs):
+        torch.testing.assert_close(ours.float(), theirs, rtol=0, atol=bound * theirs.abs().max().item())
+    for kernel in [experts._padded, experts._gathered] + ([experts._grouped] if dtype == torch.bfloat16 else []):
+        out = kernel(tokens, counts)
+        assert_near(out, expected)
+        for ours, theirs in zip(torch.autograd.grad(out, list(experts.parameters()), grad.to(dtype)), expected_grads):
+            assert_near(ours, theirs)
+
+
+def test_a_quantized_release_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as error:
+        options_from_hf({**hf_config(), "model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}})
+    assert error.value.field == "model.path" and "quantized (mxfp4)" in str(error.value)
+    with pytest.raises(ConfigError) as error:  # a rounded YaRN ramp is another model
+        options_from_hf({**hf_config(), "rope_parameters": {**hf_config()["rope_parameters"], "truncate": True}})
+    assert "truncate=True" in str(error.value)
 
 
 @pytest.mark.parametrize("override, field", [

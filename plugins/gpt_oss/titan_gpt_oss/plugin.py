@@ -92,6 +92,12 @@ def options_from_hf(config: dict) -> dict:
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 150000.0),
                                              **(config.get("rope_scaling") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    quantization = (config.get("quantization_config") or {}).get("quant_method")
+    if quantization is not None:
+        # OpenAI's release stores the experts in MXFP4 blocks and scales; the model trains bf16 or fp32 weights.
+        raise ConfigError("model.path", f"config.json's experts are quantized ({quantization}), which gpt-oss reads "
+                          "only dequantized", "save a dequantized copy first (transformers: from_pretrained with "
+                          "Mxfp4Config(dequantize=True), then save_pretrained)")
     check_hf_config({**config, "rope_type": rope_type, "truncate": rope.get("truncate", True)}, FAMILY,
                     hidden_act=("silu",), rope_type=("default", "yarn"),
                     truncate=(False,) if rope_type == "yarn" else (True, False))
