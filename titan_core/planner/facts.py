@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_core import attention
+import titan_core.attention as attention
 from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
 from titan_core.moe.layer import MoE
@@ -144,9 +144,9 @@ class _Tracer(TorchDispatchMode):
         self.block_input = _nbytes(args[0]) / self.positions
         self.stream_shape = tuple(args[0].shape)
 
-    def enter_experts(self, tokens: torch.Tensor) -> None:
-        """The token copies entering the running block's experts."""
-        self.expert_input[self.block] += _nbytes(tokens) / self.positions
+    def enter_experts(self, nbytes: int) -> None:
+        """The token copies entering the running block's experts, in bytes."""
+        self.expert_input[self.block] += nbytes / self.positions
 
     def leave(self, module, args, output) -> None:
         self.block = self.counting = None
@@ -231,7 +231,7 @@ def _evenly_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     copies = experts.numel()
     share = -(-copies // moe.num_experts)
     token = torch.arange(moe.num_experts * share, device=x.device) % copies // experts.shape[1]
-    _Tracer.active.enter_experts(x[token[:copies]])
+    _Tracer.active.enter_experts(copies * x.shape[-1] * x.element_size())  # counted, not made: no op traced
     out = moe.experts.batched(x[token].unflatten(0, (moe.num_experts, share))).flatten(0, 1)[:copies]
     out = torch.zeros_like(x).index_add(0, token[:copies], out * weights.flatten()[:, None])
     if moe.shared_experts is not None:
@@ -273,7 +273,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
         block.register_full_backward_hook(functools.partial(tracer.mark, "end", index))
         experts = description.experts_of(block)
         if experts is not None:  # a model's own experts module (the core's runs evenly routed, below)
-            experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(args[0]))
+            experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(_nbytes(args[0])))
     tokens = torch.zeros(1, tracer.positions, dtype=torch.long, device="meta")
     _Tracer.active = tracer
     try:

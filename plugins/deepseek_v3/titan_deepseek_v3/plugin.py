@@ -16,8 +16,8 @@ OPTIONS = tuple(f.name for f in dataclasses.fields(DeepseekV3Args) if f.name != 
 YARN = ("rope_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # transformers' names where they differ from ours (the experts' options take Qwen3-MoE's, shared by the core's MoE).
 HF_NAMES = {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"}
-# The core MoE's options for gpt-oss's experts, which transformers' DeepSeek-V3 has not.
-GPT_OSS_EXPERTS = ("router_bias", "expert_projection_bias", "expert_activation", "swiglu_alpha", "swiglu_limit")
+# The core MoE's options for biased, clamped experts, which transformers' DeepSeek-V3 has not.
+BIASED_CLAMPED_EXPERTS = ("router_bias", "expert_projection_bias", "expert_activation", "swiglu_alpha", "swiglu_limit")
 
 
 def deepseek_v3_args(model_config, vocab_size: int, seq_len: int) -> DeepseekV3Args:
@@ -65,7 +65,7 @@ def flops_per_token(args: DeepseekV3Args):
 
 def hf_config(args: DeepseekV3Args) -> dict:
     values = {HF_NAMES.get(name, name): getattr(args, name) for name in OPTIONS
-              if name not in YARN and name not in GPT_OSS_EXPERTS and name not in (
+              if name not in YARN and name not in BIASED_CLAMPED_EXPERTS and name not in (
                   "rope_theta", "score_function", "router_bias_update_rate", "router_aux_loss_coef")}
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling_factor > 1:

@@ -181,3 +181,13 @@ def test_expert_tensor_and_masked_context_parallel_train_like_one_process(stack,
     once. ``shared``: options the reference takes too."""
     report = titan_parity(list(stack), reference_overrides=("model=gpt_oss_tiny", *shared))
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+
+
+def test_peft_adapters_on_its_experts_are_refused_before_launch():
+    """PEFT's adapters on experts follow a (experts, out, in) file tensor; gpt-oss's is transposed and interleaved.
+    Without experts in the targets, a later refusal (mlp names no dense linear here) shows this one is about them."""
+    error = config_error("model=gpt_oss_tiny", "tokenizer.path=bytes", "+plugins=[lora]",
+                         "plugins.lora.targets=[attention,experts]")
+    assert error.field == "plugins.lora.export" and "gate_up_proj transposed or interleaved" in str(error)
+    other = config_error("model=gpt_oss_tiny", "tokenizer.path=bytes", "+plugins=[lora]", "plugins.lora.targets=[mlp]")
+    assert other.field == "plugins.lora.targets"

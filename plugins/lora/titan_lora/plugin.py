@@ -77,6 +77,16 @@ def validate_options(config, options, plan) -> None:
     if (options.export or options.init_from) and plan.model.hf is None:
         raise ConfigError(f"{FIELD}.export", lacks(plan.model, "hf", "PEFT's adapter format"),
                           f"set {FIELD}.export=false and {FIELD}.init_from=null")
+    if (options.export or options.init_from) and stacks:
+        # PEFT's stacked factors follow the file's (experts, out, in) weight; a file arranging it otherwise (gpt-oss:
+        # transposed, gate and up interleaved) would be adapted along the wrong dimensions.
+        rearranged = [stack for name in chosen_experts(model, plan.model) for stack in stacks
+                      if plan.model.hf.stored(f"{name}.{stack}") is not None]
+        if rearranged:
+            raise ConfigError(f"{FIELD}.export", f"model '{plan.model.family}' stores its experts' {rearranged[0]} "
+                              "transposed or interleaved in Hugging Face folders, which PEFT's adapters on experts "
+                              "cannot follow", f"leave experts out of {FIELD}.targets, or set {FIELD}.export=false "
+                              f"and {FIELD}.init_from=null")
     if text_or_null(options.init_from, f"{FIELD}.init_from"):
         folder = Path(options.init_from).expanduser()
         check_peft_config(read_peft_config(folder), options, folder)
