@@ -1,4 +1,5 @@
-"""The planner against TorchTitan's published Llama 3.1 runs (benchmarks/llama3_h100_202412_torchtitan.md).
+"""The planner against TorchTitan's published Llama 3.1 runs (benchmarks/llama3_h100_202412_torchtitan.md), and
+against published runs of Llama 3 8B and 70B on A100, H100, H200 and MI300X (sources at ``CARDS``).
 
 Each row is the published job as titan-core overrides, planned on the one profile of the hardware they ran
 on (h100_sxm_96gb: H100 SXM with 96 GB of HBM2e, 8 per node, 400 Gb/s per GPU between nodes), with no
@@ -59,31 +60,77 @@ ROWS = [  # (table, row, overrides, published TPS/GPU, published memory GiB)
 ]
 
 
-def predicted(overrides: list[str]) -> tuple[float, float]:
+# Published runs on other cards, each planned on its card's one profile. The Llama 3 8B rows of TorchTitan's
+# own harness (8192 tokens a sequence, one per GPU unless said, FSDP over every GPU, bf16 mixed precision):
+# A100 80GB: pytorch/torchtitan docs/performance.md @157a12c (April 2024, 64 GPUs, no compile), tokens/s/GPU
+# only; H100, MI300X: pytorch/ao torchao/float8/README.md @9519beb, "Training benchmarks" (8 GPUs, compile,
+# per-op selective checkpointing; PR #2736 for MI300X); H200: pytorch/torchtitan
+# benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (4 and 8 nodes, 2 sequences a GPU, float8).
+# Memory is the peak reserved by the caching allocator, as TorchTitan logs it.
+CARDS = [  # (card's profile, source and job, overrides, published TPS/GPU, published memory GiB or None)
+    ("a100", "torchtitan A100: 8B, 64 GPUs, selective layer", job("8B", 64, 8192, 64, ["fsdp"], ac="selective_layer"),
+     2904, None),
+    ("a100", "torchtitan A100: 8B, 64 GPUs, selective op", job("8B", 64, 8192, 64, ["fsdp"]), 2973, None),
+    ("a100", "torchtitan A100: 70B, 64 GPUs, full AC", job("70B", 64, 8192, 64, ["fsdp"], ac="full"), 331, None),
+    ("h100_sxm", "torchao H100: 8B, 8 GPUs, bf16", job("8B", 8, 8192, 8, ["fsdp", "compile"]), 6150, 47.65),
+    ("h100_sxm", "torchao H100: 8B, 8 GPUs, float8 tensorwise", job("8B", 8, 8192, 8, ["fsdp", "compile", "float8"],
+                                                                     FLOAT8), 7689.5, 47.77),
+    ("h100_sxm", "torchao H100: 8B, 8 GPUs, float8 rowwise", job("8B", 8, 8192, 8, ["fsdp", "compile", "float8"],
+                                                                  "plugins.float8.recipe=rowwise"), 6768, 47.79),
+    ("mi300x", "torchao MI300X: 8B, 8 GPUs, bf16", job("8B", 8, 8192, 8, ["fsdp", "compile"]), 5376.5, 39.09),
+    ("mi300x", "torchao MI300X: 8B, 8 GPUs, float8 tensorwise", job("8B", 8, 8192, 8, ["fsdp", "compile", "float8"],
+                                                                     FLOAT8), 6166.0, 39.07),
+    ("mi300x", "torchao MI300X: 8B, 8 GPUs, float8 rowwise", job("8B", 8, 8192, 8, ["fsdp", "compile", "float8"],
+                                                                  "plugins.float8.recipe=rowwise"), 5891.0, 39.32),
+    ("h200", "torchtitan H200: 8B, 32 GPUs, float8", job("8B", 32, 8192, 64, ["fsdp", "compile", "float8"], FLOAT8),
+     10938, 47.96),
+    ("h200", "torchtitan H200: 8B, 64 GPUs, float8", job("8B", 64, 8192, 128, ["fsdp", "compile", "float8"], FLOAT8),
+     10753, 46.97),
+]
+
+
+def predicted(overrides: list[str], hardware: str = HARDWARE) -> tuple[float, float]:
     """TPS/GPU and GiB of the most loaded rank, as the planner predicts them."""
-    _, estimate = job_estimate(["--hardware", HARDWARE, *overrides])
+    _, estimate = job_estimate(["--hardware", hardware, *overrides])
     rank = estimate.most_loaded()
     return rank.tokens_per_device(), sum(rank.memory().values()) / GIB
 
 
+def table(rows) -> dict[str, dict[str, list[float]]]:
+    """Prints each row beside its prediction; returns the errors by card and kind."""
+    print("| card | job | TPS/GPU published | predicted | error | memory GiB published | predicted | error |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    errors: dict[str, dict[str, list[float]]] = {}
+    for card, name, overrides, tps, memory in rows:
+        got_tps, got_memory = predicted(overrides, card)
+        card_errors = errors.setdefault(card, {"tps": [], "memory": []})
+        card_errors["tps"].append(got_tps / tps - 1)
+        memory_error = "" if memory is None else f"{got_memory / memory - 1:+.0%}"
+        if memory is not None:
+            card_errors["memory"].append(got_memory / memory - 1)
+        print(f"| {card} | {name} | {tps:,} | {got_tps:,.0f} | {got_tps / tps - 1:+.0%} | {memory or 'not given'} | "
+              f"{got_memory:.1f} | {memory_error} |", flush=True)
+    return errors
+
+
+def summary(errors: dict[str, dict[str, list[float]]]) -> None:
+    for card, kinds in errors.items():
+        for what, values in kinds.items():
+            if values:
+                mean = sum(abs(v) for v in values) / len(values)
+                print(f"{card} {what}: mean |error| {mean:.0%}, worst {max(values, key=abs):+.0%}, "
+                      f"{sum(abs(v) <= (0.15 if what == 'tps' else 0.1) for v in values)}/{len(values)} rows within "
+                      f"{'15' if what == 'tps' else '10'}%")
+
+
 def main() -> None:
     start = time.perf_counter()
-    print(f"hardware profile: {HARDWARE}\n")
-    print("| table | job | TPS/GPU published | predicted | error | memory GiB published | predicted | error |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    errors = {"tps": [], "memory": []}
-    for table, name, overrides, tps, memory in ROWS:
-        got_tps, got_memory = predicted(overrides)
-        errors["tps"].append(got_tps / tps - 1)
-        errors["memory"].append(got_memory / memory - 1)
-        print(f"| {table} | {name} | {tps:,} | {got_tps:,.0f} | {got_tps / tps - 1:+.0%} | {memory} | "
-              f"{got_memory:.1f} | {got_memory / memory - 1:+.0%} |", flush=True)
-    for what, values in errors.items():
-        mean = sum(abs(v) for v in values) / len(values)
-        print(f"\n{what}: mean |error| {mean:.0%}, worst {max(values, key=abs):+.0%}, "
-              f"{sum(abs(v) <= (0.2 if what == 'tps' else 0.1) for v in values)}/{len(values)} rows within "
-              f"{'20' if what == 'tps' else '10'}%", end="")
-    print(f"\n\n({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    print("TorchTitan's Llama 3.1 tables (benchmarks/llama3_h100_202412_torchtitan.md):\n")
+    summary(table([(HARDWARE, f"{number}: {name}", overrides, tps, memory)
+                   for number, name, overrides, tps, memory in ROWS]))
+    print("\nOther published runs, other cards:\n")
+    summary(table(CARDS))
+    print(f"\n({time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -75,16 +75,23 @@ TP_NO_SP = ("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_paralle
     ("+plugins=[cp]", "plugins.cp.degree=2"), ("+plugins=[fsdp,cp]", "plugins.fsdp.degree=2", "plugins.cp.degree=2"),
     ("+plugins=[float8]",),
     ("+plugins=[fsdp,float8]", "plugins.fsdp.degree=2", "plugins.float8.fsdp_float8_all_gather=true"),
+    ("+plugins=[chunked_loss]", "plugins.chunked_loss.chunk_tokens=128"),
+    ("+plugins=[chunked_loss,tp]", "plugins.chunked_loss.chunk_tokens=128", "plugins.tp.degree=2"),
+    ("+plugins=[simplefsdp]", "plugins.simplefsdp.degree=4"),
+    ("+plugins=[simplefsdp,ac]", "plugins.simplefsdp.degree=4", "plugins.ac.mode=full"),
 ], ids=["none", "ac-full", "ac-selective_op", "ac-selective_op-every-other-matmul", "ac-selective_layer", "grad-accum", "qwen3", "qwen3-ac-full",
         "gpt2-ac-full", "fsdp", "hsdp", "fsdp-ac-full", "tp", "tp-no-sp", "fsdp-tp", "tp-ac-full",
         "tp-no-sp-ac-selective_op", "cp", "fsdp-cp", "float8",
-        "fsdp-float8"])
+        "fsdp-float8", "chunked_loss", "chunked_loss-tp", "simplefsdp", "simplefsdp-ac-full"])
 def test_predicted_peak_matches_torchs_memory_tracker(overrides):
-    """Within 5% of torch's tracker, rank 0 of each plan (a fake process group stands in for the others)."""
+    """Within 5% of torch's tracker, rank 0 of each plan (a fake process group stands in for the others) running
+    the worker's own step. Without its estimate, chunked_loss was 6-9% over (the logits it never keeps) and
+    simplefsdp 40% over with full checkpointing (weights a checkpointed block gathers again, not kept)."""
     config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
     predicted = result.memory()
     measured = _tracked_step(config, registry, plan)
     assert (measured["float8_linears"] == 7 * 4) == ("float8" in str(overrides))  # the blocks' linears ran float8
+    assert not result.not_counted
     if "fsdp" not in str(overrides):  # FSDP's gathered weights are parameters to the tracker, buffers to us
         assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)  # norms stay whole under tp
     assert predicted["optimizer"] == pytest.approx(measured["OPT"], rel=0.01)  # and AdamW's step counters
@@ -112,7 +119,9 @@ def test_a_mixture_of_experts_is_planned_within_10_percent_of_torchs_tracker(ove
      "plugins.fsdp.reduce_gradients=last_micro_batch"),
     ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2"),
     ("+plugins=[fsdp,tp]", "plugins.fsdp.degree=2", "plugins.tp.degree=2"),
-], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "fsdp-grad-accum-reduce-last", "hsdp", "fsdp-tp"])
+    ("+plugins=[simplefsdp]", "plugins.simplefsdp.degree=2", "plugins.simplefsdp.replicate_degree=2",
+     "training.grad_accum_steps=2"),
+], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "fsdp-grad-accum-reduce-last", "hsdp", "fsdp-tp", "simplefsdp"])
 def test_collective_calls_are_those_torch_issues(overrides):
     """Each call pays the link's latency: a plugin's stated calls per step are those its rank 0 issues. (Context
     parallel's ring exchanges do not reach the dispatcher on a fake process group: cp is not checked here.)"""
@@ -144,15 +153,17 @@ def test_fsdp_reduces_each_micro_batch_or_only_the_last(policy, per_step):
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3_tiny", "gpt2_tiny"])
 def test_the_trace_counts_the_operators_a_step_runs(model):
-    """The host issues a step's operators one by one: the trace's count is within 10% of a real step's (which
-    also runs the optimizer's few batched operators)."""
+    """The host issues a step's operators one by one: the trace's count, with the optimizer's counted per group
+    and per tensor (torch's batched AdamW: 119 to 188 a step on these models), within 10% of the worker's step."""
     config, registry, plan, result = _estimate("launch.device=cpu", f"model={model}")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
-        issued = tracked_rank.operators(config, registry, plan)
+        issued, optimizer = tracked_rank.operators(config, registry, plan)
     finally:
         dist.destroy_process_group()
-    assert sum(result.facts.block_ops) + result.facts.outer_ops == pytest.approx(issued, rel=0.1)
+    assert evaluated(result.optimizer_operators, result) == pytest.approx(optimizer, rel=0.05)
+    traced = sum(result.facts.block_ops) + result.facts.outer_ops + evaluated(result.optimizer_operators, result)
+    assert traced == pytest.approx(issued, rel=0.1)
     assert len(set(result.facts.block_ops)) == 1  # alike blocks, alike counts
 
 
@@ -165,7 +176,7 @@ def test_each_call_pays_the_latency_and_each_operator_the_host_time():
     assert waited - tp.step_seconds()["exposed communication"] == pytest.approx(calls * 100e-6)
     one_core = dataclasses.replace(CPU, cores=1)  # on a CPU the same thread issues the operators and computes
     one, tp = (dataclasses.replace(e, hardware=one_core) for e in (one, tp))
-    ops = sum(one.facts.block_ops) + one.facts.outer_ops
+    ops = sum(one.facts.block_ops) + one.facts.outer_ops + evaluated(one.optimizer_operators, one)
     assert one.step_seconds()["host"] == pytest.approx(ops * CPU.op_overhead_us * 1e-6)
     assert tp.step_seconds()["host"] > 10 * one.step_seconds()["host"]  # DTensor's sharding propagation
     gpu = dataclasses.replace(one, hardware=dataclasses.replace(CPU, op_overhead_us=1e-3))  # a host ahead
@@ -234,9 +245,10 @@ def test_each_plugin_changes_what_its_technique_changes():
     *_, ring = _estimate("+plugins=[cp]", "plugins.cp.degree=2")
     base = alone.memory()
     assert sharded.memory()["optimizer"] == pytest.approx(base["optimizer"] / 4)
-    assert [c.name for c in sharded.collectives] == ["all-gather of the weights", "reduce-scatter of the gradients"]
+    assert [c.name for c in sharded.collectives if c.plugin == "fsdp"] == ["all-gather of the weights",
+                                                                          "reduce-scatter of the gradients"]
     assert split.memory()["optimizer"] == pytest.approx(base["optimizer"] / 2)
-    assert split.collectives[0].plugin == "tp" and not split.collectives[0].overlapped
+    assert [(c.plugin, c.overlapped) for c in split.collectives] == [("core", False), ("tp", False)]
     assert checkpointed.kept_per_token() < alone.kept_per_token() / 3
     assert checkpointed.recomputed_fraction == pytest.approx(1 / 3)
     assert ring.microbatch_tokens == alone.microbatch_tokens / 2
@@ -398,8 +410,8 @@ def test_an_optimizer_plugins_state_is_measured_not_assumed(tmp_path):
 
 
 def test_a_plugin_without_the_hook_is_reported_not_counted():
-    *_, result = _estimate("+plugins=[chunked_loss]")
-    assert result.not_counted == ["chunked_loss"]
+    *_, result = _estimate("+plugins=[checkpoint]")
+    assert result.not_counted == ["checkpoint"]
 
 
 @pytest.mark.parametrize("args, field, words", [

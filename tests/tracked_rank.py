@@ -10,6 +10,7 @@ plans whose ranks exchange what a fake group cannot make up (a pipeline's stages
 
 import contextlib
 import gc
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -18,11 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from titan_core import objective
 from titan_core.mesh import ParallelMesh
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.planner.facts import OperatorCounter
 from titan_core.testing import compose
-from titan_core.train import build_model_parts, cross_entropy_loss
+from titan_core.train import build_model_parts, build_training_step
 
 
 class Tracker(MemTracker):
@@ -54,6 +56,7 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
         tracker = Tracker()
         kept = [t for i, t in _alive_tensors().items() if i not in before]
         tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
+        del kept  # the tracker holds weak references: the step frees what it frees (last step's gradients)
         with tracker:
             step()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
@@ -76,9 +79,19 @@ def reduce_scatters(config, registry, plan) -> int:
     return _counted(OperatorCounter(lambda operator: "reduce_scatter" in operator.__name__), config, registry, plan)
 
 
-def operators(config, registry, plan) -> int:
-    """Aten operators this rank runs in its second training step."""
-    return _counted(OperatorCounter(), config, registry, plan)
+def operators(config, registry, plan) -> tuple[int, int]:
+    """Aten operators this rank runs in its second training step, and those of them its optimizer's step runs."""
+    _, optimizer, step = _training_step(config, registry, plan)
+    step()
+    optimizer_step, in_optimizer = optimizer.step, OperatorCounter()
+
+    def counted_step(*args, **kwargs):
+        with in_optimizer:
+            return optimizer_step(*args, **kwargs)
+    optimizer.step = counted_step
+    with OperatorCounter() as every:
+        step()
+    return every.calls, in_optimizer.calls
 
 
 def _counted(counting, config, registry, plan) -> int:
@@ -91,31 +104,23 @@ def _counted(counting, config, registry, plan) -> int:
 
 def _training_step(config, registry, plan, tensors=contextlib.nullcontext()):
     """This rank's model parts and optimizer, built as a worker builds them (their tensors made in the
-    ``tensors`` mode), and a function running one step."""
+    ``tensors`` mode), and a function running one step of the worker's own ``TrainingStep`` (the loss as the
+    plugins wrap it, their micro-batch contexts, the gradient event, clipping, the optimizer and its hooks)."""
     torch.manual_seed(0)
     hooks = Hooks(registry, plan, config)
     mesh = ParallelMesh(plan.mesh_shape, "cpu", plan.borrowed())
     training = config.training
     with tensors:
         parts = build_model_parts(hooks, mesh, config, torch.device("cpu"))
-        schedule = hooks.first("build_schedule", model_parts=parts, mesh=mesh, config=config,
-                               loss_fn=cross_entropy_loss)
-        optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], foreach=True)
+        training_step = build_training_step(hooks, mesh, config, parts, torch.device("cpu"), bos_id=0)
         tokens = torch.randint(0, 256, (training.global_batch_size // plan.dp_size, training.seq_len))
+    steps = itertools.count(1)
 
     def step():
-        for index, micro in enumerate(tokens.chunk(training.grad_accum_steps)):
-            micro, labels = micro.clone(), micro.clone()
-            with contextlib.ExitStack() as stack:
-                for context in hooks.each("batch_context", inputs=micro, labels=labels, model_kwargs={},
-                                          micro_batch=index, micro_batches=training.grad_accum_steps,
-                                          model_parts=parts, mesh=mesh, config=config):
-                    stack.enter_context(context)
-                schedule.run(micro, labels, {})
-        optimizer.step()
-        optimizer.zero_grad()
+        with objective.loss_weight(1 / training_step.forwards):
+            training_step(next(steps), tokens, tokens.clone())
 
-    return parts, optimizer, step
+    return parts, training_step.optimizer, step
 
 
 def _alive_tensors() -> dict[int, torch.Tensor]:

@@ -58,6 +58,20 @@ def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.de
     return model_parts
 
 
+def build_training_step(hooks: Hooks, mesh: ParallelMesh, config, model_parts: list[torch.nn.Module],
+                        device: torch.device, bos_id: int) -> TrainingStep:
+    """The step a worker trains with (also what the planner's tests track): the loss as every plugin wraps it,
+    normalised over the step's trained tokens, the plugins' schedule, optimizer and learning-rate schedule."""
+    loss_fn = cross_entropy_loss
+    for name in hooks.order:
+        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
+    loss_fn = objective.TokenNormalisation(loss_fn, hooks.plan, device)
+    schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
+    optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
+    lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
+    return TrainingStep(hooks, mesh, config, model_parts, schedule, loss_fn, optimizer, lr_scheduler, device, bos_id)
+
+
 class TrainingStep:
     """One optimizer step of this rank: each micro-batch's forward and backward inside the plugins' batch
     contexts, the gradient event, clipping, the optimizer and learning-rate steps.
@@ -148,22 +162,15 @@ class Trainer:
         log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
                  rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
 
-        loss_fn = cross_entropy_loss
-        for name in hooks.order:
-            loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
-        loss_fn = objective.TokenNormalisation(loss_fn, plan, device)
-        schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
-        optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
-        lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)
+        self.step = build_training_step(hooks, mesh, config, model_parts, device, tokenizer.bos_id)
         dp_rank = mesh.local_rank(*plan.data_parallel_dims)
         loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
                              dp_size=plan.dp_size)
         dataloader = Prefetcher(loader, config.data.prefetch, pin=device.type == "cuda")
-        self.state = TrainState(model_parts, optimizer, lr_scheduler, dataloader, plugins=hooks.registry.stateful())
+        self.state = TrainState(model_parts, self.step.optimizer, self.step.lr_scheduler, dataloader,
+                                plugins=hooks.registry.stateful())
         self.state.step = hooks.first("load_checkpoint", state=self.state, config=config, run_dir=run_dir) or 0
-
-        self.step = TrainingStep(hooks, mesh, config, model_parts, schedule, loss_fn, optimizer, lr_scheduler,
-                                 device, tokenizer.bos_id)
+        schedule = self.step.schedule
         self.validation = hooks.first("build_validation_batches", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
                                       dp_size=plan.dp_size) if config.validation.every else []
         if self.validation and not callable(getattr(schedule, "evaluate", None)):

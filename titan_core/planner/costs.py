@@ -40,8 +40,13 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     hooks = Hooks(registry, plan, config)
     if "optimizer" not in traced:
         traced["optimizer"] = optimizer_facts(functools.partial(hooks.first, "build_optimizer"), config)
-    result.optimizer_bytes = traced["optimizer"].traffic
-    result.optimizer_state_bytes = traced["optimizer"].state
+    optimizer = traced["optimizer"]
+    result.optimizer_bytes = optimizer.traffic
+    result.optimizer_operators = lambda e: optimizer.operators(e.facts.parameter_roles, e.facts.parameter_tensors)
+    # The core's own collective: the step's trained tokens, summed over every rank before the first forward.
+    result.add_collective("all-reduce of the step's trained tokens", tuple(plan.mesh_shape), 4, overlapped=False,
+                          plugin="core", calls=1)
+    result.optimizer_state_bytes = optimizer.state
     for name in (p.name for p in plan.plugins):
         if registry.implements(name, "estimate_costs"):
             hooks.call(name, "estimate_costs", estimate=result, config=config)

@@ -63,7 +63,8 @@ class Estimate:
     the outputs' and loss's activations are split over: tensor and sequence parallel, loss parallel),
     ``stream_split`` (ranks the residual stream between blocks is split over besides ``sequence_split``:
     sequence parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once:
-    pipeline schedules),
+    pipeline schedules), ``logits_tokens`` (tokens whose logits exist at once, None: a micro-batch's; a loss
+    that computes them chunk by chunk keeps none from forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
     block recomputes in backward what it did not keep).
@@ -78,7 +79,8 @@ class Estimate:
     job's own optimizer on one parameter; an optimizer plugin whose state depends on a parameter's shape (Muon
     for matrices, AdamW for the rest) sets the latter to its average in its ``estimate_costs``, and
     ``optimizer_flops`` (matrix-product FLOPs its step runs on this rank, a number or a function of the estimate:
-    Muon's Newton–Schulz, at the bf16 matmul rate). ``trained_share``:
+    Muon's Newton–Schulz, at the bf16 matmul rate), ``optimizer_operators`` (operators its step issues, a
+    number or a function of the estimate: the core counts them per parameter group and tensor). ``trained_share``:
     the parameters that train, as a share of the model's (a plugin that freezes the model and adds parameters
     of its own sets it): gradients, optimizer states and the optimizer's traffic exist for those only.
     """
@@ -102,6 +104,7 @@ class Estimate:
     activation_split: int = 1
     outer_split: int = 1
     microbatches_in_flight: int = 1
+    logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     recomputed_fraction: float = 0.0
     matmul_speedup: float = 1.0
@@ -112,6 +115,7 @@ class Estimate:
     optimizer_bytes: float = 0.0
     optimizer_state_bytes: float = 8.0
     optimizer_flops: float | Callable[[Estimate], float] = 0.0
+    optimizer_operators: float | Callable[[Estimate], float] = 0.0
     trained_share: float = 1.0
     ranks: list[dict] = field(default_factory=list)
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
@@ -199,8 +203,15 @@ class Estimate:
 
     def kept_per_token(self) -> float:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""
-        outer = self.facts.outer_saved / self.outer_split if self.holds_outputs else 0.0
-        return sum(self.kept(i) for i in self.blocks) + outer
+        return sum(self.kept(i) for i in self.blocks) + self.outer_kept()
+
+    def outer_kept(self) -> float:
+        """Bytes per token the outputs and the loss keep until backward on this rank (the logits' only when the
+        loss computes them all at once)."""
+        if not self.holds_outputs:
+            return 0.0
+        chunked = self.logits_tokens is not None
+        return (self.facts.outer_saved - chunked * self.facts.outer_logits) / self.outer_split
 
     def gradients_at_peak(self) -> bool:
         """Whether every gradient exists throughout backward: a step of several micro-batches accumulates them."""
@@ -219,8 +230,13 @@ class Estimate:
         state = self.held_params() / shards
         others = (self.microbatches_in_flight - 1) * tokens * self.kept_per_token()
         kept = [tokens * self.kept(i) for i in self.blocks]
-        outer = tokens * facts.outer_saved / self.outer_split if self.holds_outputs else 0.0
-        loss_backward = tokens * facts.loss_backward / self.outer_split if self.holds_outputs else 0.0
+        outer = tokens * self.outer_kept()
+        if not self.holds_outputs:
+            loss_backward = 0.0
+        elif self.logits_tokens is None:
+            loss_backward = tokens * facts.loss_backward / self.outer_split
+        else:  # one chunk's logits made again, and their gradients
+            loss_backward = min(tokens, self.logits_tokens) * (facts.outer_logits + facts.loss_backward) / self.outer_split
         trained = self.trained_share
         all_gradients = 4 * state * trained
         made = 4 * trained * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # blocks' come later
@@ -270,10 +286,12 @@ class Estimate:
                 + self.collective_calls(collective) * self.hardware.collective_latency_us * 1e-6)
 
     def host_seconds(self) -> float:
-        """The host's time to issue the step's operators one by one (forward and backward per micro-batch)."""
+        """The host's time to issue the step's operators one by one (forward and backward per micro-batch, the
+        optimizer's once)."""
         facts = self.facts
         ops = sum(facts.block_ops[i] for i in self.blocks) + facts.outer_ops * (self.holds_inputs or self.holds_outputs)
-        return ops * self.microbatches_per_step() * self.hardware.op_overhead_us * 1e-6 * self.dispatch_cost
+        ops = ops * self.microbatches_per_step() + evaluated(self.optimizer_operators, self)
+        return ops * self.hardware.op_overhead_us * 1e-6 * self.dispatch_cost
 
     def step_seconds(self) -> dict[str, float]:
         """Seconds of one optimizer step on one rank, by part, and the total."""

@@ -29,6 +29,7 @@ import titan_core.attention as attention
 from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
 from titan_core.moe.layer import MoE
+from titan_core.parameter_roles import parameter_role
 
 # Positions traced (at most): enough for every shape to be general, few enough to be instant for 405B.
 TRACE_TOKENS = 64
@@ -54,7 +55,8 @@ class ModelFacts:
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
     ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients);
     ``block_ops[i]``: aten operators block ``i``'s forward and backward run, ``outer_ops``: those of the rest
-    and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's.
+    and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's;
+    ``parameter_roles``: the roles among them (the core's optimizer steps one parameter group per role).
     ``block_expert_params[i]``: the parameters of block ``i``'s experts module (``ModelDescription.experts``; 0 in a
     dense block), ``block_expert_input[i]``: bytes per token of the token copies entering it (what expert parallel
     sends to the experts' ranks and back).
@@ -77,6 +79,7 @@ class ModelFacts:
     block_ops: tuple[int, ...]
     outer_ops: int
     parameter_tensors: int
+    parameter_roles: int
     block_expert_params: tuple[int, ...]
     block_expert_input: tuple[float, ...]
 
@@ -123,6 +126,8 @@ class _Tracer(TorchDispatchMode):
         self.next_key = 0
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Autograd detached the tensor to hand it to this hook, an operator a step without the hook does not run.
+        self.ops[-1 if self.counting is None else self.counting] -= 1
         storage = tensor.untyped_storage()
         if storage._cdata not in self.learned and storage._cdata not in self.saved:
             self.kept_alive.append(tensor)
@@ -325,6 +330,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
                       parameter_tensors=len(list(model.parameters())),
+                      parameter_roles=len({parameter_role(description, name, p) for name, p in model.named_parameters()}),
                       block_expert_params=tuple(sum(p.numel() for p in experts.parameters()) if experts is not None else 0
                                                 for experts in map(description.experts_of, blocks)),
                       block_expert_input=tuple(tracer.expert_input))
@@ -357,14 +363,15 @@ def timed_step(step, repeats: int) -> tuple[float, int]:
 
 class _Traffic(TorchDispatchMode):
     """Bytes the operators below it read (every tensor argument) and write (their results and the arguments
-    they modify in place)."""
+    they modify in place), and how many they are."""
 
     def __init__(self):
         super().__init__()
-        self.bytes = 0
+        self.bytes = self.operators = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.operators += 1
         written = {argument.name for argument in func._schema.arguments
                    if argument.alias_info is not None and argument.alias_info.is_write}
         named = dict(zip((argument.name for argument in func._schema.arguments), args)) | (kwargs or {})
@@ -379,20 +386,39 @@ class _Traffic(TorchDispatchMode):
 @dataclass(frozen=True)
 class OptimizerFacts:
     """What the job's optimizer costs per parameter element: ``state`` bytes it keeps (AdamW's two float32
-    moments: 8), ``traffic`` bytes one step moves through memory (its operators' reads and writes)."""
+    moments: 8), ``traffic`` bytes one step moves through memory (its operators' reads and writes); and the
+    operators its step runs per parameter group and per parameter tensor (torch's batched AdamW: about 11 and 2)."""
 
     state: float
     traffic: float
+    operators_per_group: float
+    operators_per_tensor: float
+
+    def operators(self, groups: int, tensors: int) -> float:
+        return self.operators_per_group * groups + self.operators_per_tensor * tensors
 
 
 def optimizer_facts(build_optimizer, config, elements: int = 1 << 14) -> OptimizerFacts:
     """The state and the traffic per parameter element of the job's optimizer (``build_optimizer``: the core's
-    hook, as a worker calls it), measured on one float32 parameter: whatever plugin builds it is priced."""
+    hook, as a worker calls it), measured on one float32 parameter, and its operators per group and per tensor,
+    counted on one parameter and on two: whatever plugin builds it is priced."""
+    (traffic, one_tensor, state), (_, two_tensors, _) = (_stepped(build_optimizer, config, [elements] * tensors)
+                                                        for tensors in (1, 2))
+    per_tensor = two_tensors - one_tensor
+    return OptimizerFacts(state=state / elements, traffic=traffic / elements,
+                          operators_per_group=one_tensor - per_tensor, operators_per_tensor=per_tensor)
+
+
+def _stepped(build_optimizer, config, sizes: list[int]) -> tuple[int, int, int]:
+    """The bytes the second step of the job's optimizer moves over parameters of ``sizes`` elements (one group),
+    the operators it runs, and the bytes of per-element states it keeps."""
     holder = torch.nn.Module()
-    holder.weight = torch.nn.Parameter(torch.zeros(elements))
+    for index, elements in enumerate(sizes):
+        holder.register_parameter(f"weight{index}", torch.nn.Parameter(torch.zeros(elements)))
     try:
         optimizer = build_optimizer(model_parts=[holder], config=config)
-        holder.weight.grad = torch.zeros(elements)
+        for param in holder.parameters():
+            param.grad = torch.zeros_like(param)
         optimizer.step()  # the states are made in the first step
         traffic = _Traffic()
         with traffic:
@@ -403,5 +429,5 @@ def optimizer_facts(build_optimizer, config, elements: int = 1 << 14) -> Optimiz
                           "let the optimizer plugin's build_optimizer take a module holding one plain parameter") from None
     # Per-element states only: scalar ones (a step counter) do not grow with the model.
     state = sum(value.numel() * value.element_size() for slots in optimizer.state.values() for value in slots.values()
-                if isinstance(value, torch.Tensor) and value.numel() == elements)
-    return OptimizerFacts(state=state / elements, traffic=traffic.bytes / elements)
+                if isinstance(value, torch.Tensor) and value.numel() in sizes)
+    return traffic.bytes, traffic.operators, state

@@ -105,3 +105,13 @@ def _summed_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         labels = DTensor.from_local(labels, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
                                     run_check=False)
     return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config, plan):
+    """chunked_loss: no logits kept from forward, one chunk's made again in backward with their gradients; the
+    logits' matmul run twice."""
+    estimate.logits_tokens = plugin_config.chunk_tokens
+    # Forward FLOPs of the logits per token (2 x vocabulary x width, the output's parameters), as a share of a
+    # token's training FLOPs.
+    estimate.recomputed_fraction += 2 * estimate.facts.outputs_params / plan.model.flops_per_token(estimate.seq_len)
