@@ -114,11 +114,12 @@ def table(rows) -> dict[str, dict[str, list[float]]]:
 
 
 def summary(errors: dict[str, dict[str, list[float]]]) -> None:
+    """Mean and worst error per card and kind (what titan_core/planner/accuracy.py prints beside estimates)."""
     for card, kinds in errors.items():
         for what, values in kinds.items():
             if values:
                 mean = sum(abs(v) for v in values) / len(values)
-                print(f"{card} {what}: mean |error| {mean:.0%}, worst {max(values, key=abs):+.0%}, "
+                print(f"{card} {what}: mean |error| {mean:.1%}, worst {max(values, key=abs):+.1%}, "
                       f"{sum(abs(v) <= (0.15 if what == 'tps' else 0.1) for v in values)}/{len(values)} rows within "
                       f"{'15' if what == 'tps' else '10'}%")
 
@@ -126,10 +127,17 @@ def summary(errors: dict[str, dict[str, list[float]]]) -> None:
 def main() -> None:
     start = time.perf_counter()
     print("TorchTitan's Llama 3.1 tables (benchmarks/llama3_h100_202412_torchtitan.md):\n")
-    summary(table([(HARDWARE, f"{number}: {name}", overrides, tps, memory)
-                   for number, name, overrides, tps, memory in ROWS]))
+    seeds = table([(HARDWARE, f"{number}: {name}", overrides, tps, memory) for number, name, overrides, tps, memory in ROWS])
+    summary(seeds)
     print("\nOther published runs, other cards:\n")
-    summary(table(CARDS))
+    cards = table(CARDS)
+    summary(cards)
+    print("\nEvery H100 row, and every row of every card:\n")
+    by_card = [seeds, cards]
+    summary({"h100": {what: [v for errors in by_card for card, kinds in errors.items() if card.startswith("h100")
+                             for v in kinds[what]] for what in ("tps", "memory")},
+             "every card": {what: [v for errors in by_card for kinds in errors.values() for v in kinds[what]]
+                            for what in ("tps", "memory")}})
     print(f"\n({time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
 

@@ -15,29 +15,45 @@ __all__ = ["ErrorBand", "error_band"]
 
 @dataclass(frozen=True)
 class ErrorBand:
-    """Mean and worst relative error (predicted / measured - 1) of memory and of tokens/s, against ``source``."""
+    """Mean and worst relative error (predicted / measured - 1) of memory and of tokens/s, against ``source``
+    (memory None: no run published it)."""
 
     source: str
-    memory_mean: float
-    memory_worst: float
+    memory_mean: float | None
+    memory_worst: float | None
     speed_mean: float
     speed_worst: float
 
     def describe(self) -> str:
-        return (f"expected error (against {self.source}): memory mean {self.memory_mean:.0%}, worst "
-                f"{self.memory_worst:+.0%}; tokens/s mean {self.speed_mean:.0%}, worst {self.speed_worst:+.0%}")
+        memory = ("memory not published" if self.memory_mean is None
+                  else f"memory mean {self.memory_mean:.0%}, worst {self.memory_worst:+.0%}")
+        return (f"expected error (against {self.source}): {memory}; tokens/s mean {self.speed_mean:.0%}, worst "
+                f"{self.speed_worst:+.0%}")
 
 
-_BANDS = {
-    # bench/planner_vs_seeds.py, 2026-11-27: the 17 rows of TorchTitan's published Llama 3.1 runs on H100s.
-    "cuda": ErrorBand("17 published Llama 3.1 runs on H100s, bench/planner_vs_seeds.py", 0.17, -0.41, 0.10, 0.40),
-    # tests/test_planner.py's 27 plans against torch's memory tracker (docs/planner.md), and the 8 step-time
+# bench/planner_vs_seeds.py, 2026-11-27: published runs per card (each card's efficiency set from one or two of
+# them, named in titan_core/planner/hardware.py).
+_H100 = ErrorBand("20 published Llama 3 runs on H100s, bench/planner_vs_seeds.py", 0.167, -0.408, 0.102, 0.314)
+_BY_PROFILE = {
+    **{name: _H100 for name in ("h100_sxm", "h100_sxm_96gb", "h100_pcie", "h100_nvl")},
+    "h200": ErrorBand("2 published Llama 3 runs on H200s, bench/planner_vs_seeds.py", 0.221, 0.223, 0.169, -0.176),
+    "a100": ErrorBand("3 published Llama 3 runs on A100s, one setting its efficiency, bench/planner_vs_seeds.py",
+                      None, None, 0.096, -0.166),
+    "mi300x": ErrorBand("3 published Llama 3 runs on MI300Xs, two setting its efficiencies, bench/planner_vs_seeds.py",
+                        0.020, 0.028, 0.023, 0.049),
+}
+_BY_DEVICE_TYPE = {
+    # Any other GPU: every published row of every card.
+    "cuda": ErrorBand("28 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.154, -0.408,
+                      0.098, 0.314),
+    # tests/test_planner.py's 31 plans against torch's memory tracker (docs/planner.md), and the 8 step-time
     # ratios of bench/parallel_step_time.py.
-    "cpu": ErrorBand("27 plans tracked on this CPU and 8 step-time ratios, docs/planner.md", 0.014, -0.044, 0.14,
+    "cpu": ErrorBand("31 plans tracked on this CPU and 8 step-time ratios, docs/planner.md", 0.014, -0.044, 0.14,
                      -0.22),
 }
 
 
-def error_band(device_type: str) -> ErrorBand | None:
-    """The band of the estimates for devices of ``device_type``; None where nothing was measured."""
-    return _BANDS.get(device_type)
+def error_band(profile: str, device_type: str) -> ErrorBand | None:
+    """The band of the estimates on the hardware profile ``profile`` (its own published runs) or, without any, on
+    devices of ``device_type``; None where nothing was measured."""
+    return _BY_PROFILE.get(profile) or _BY_DEVICE_TYPE.get(device_type)

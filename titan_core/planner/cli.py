@@ -1,5 +1,6 @@
 """``python -m titan_core.planner [--hardware NAME|FILE] <the overrides of a run>``: one rank's memory and step
-time for that job on that hardware, before launch and without a device.
+time for that job on that hardware, before launch and without a device (``--recommend``: the fastest plans that
+fit; ``--calibrate FILE``: this machine's profile from a short run, :mod:`titan_core.planner.calibrate`).
 
 The job is composed and checked exactly as ``python -m titan_core.run`` checks it (same one-line errors),
 except that the devices are the hardware profile's, not this machine's: ``launch.world_size`` (or the
@@ -10,63 +11,76 @@ from __future__ import annotations
 
 import sys
 
+from pathlib import Path
+from typing import NamedTuple
+
 from titan_core.data import load_tokenizer
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
-from titan_core.job.checks import check_job
 from titan_core.job.command_line import composed
-from titan_core.planner.costs import estimate, report
+from titan_core.planner.calibrate import calibrate
+from titan_core.planner.costs import planned_job, report
 from titan_core.planner.hardware import hardware_profile
 from titan_core.planner.recommend import recommend
-from titan_core.plugins import Registry, build_plan
 
-USAGE = ("usage: python -m titan_core.planner [--hardware h100|a100|...|cpu-measured|FILE.yaml] [--recommend] "
-         "[overrides ...]")
+DEFAULT_HARDWARE = "h100"
+
+USAGE = ("usage: python -m titan_core.planner [--hardware h100|a100|...|cpu-measured|FILE.yaml] "
+         "[--recommend | --calibrate FILE.yaml] [overrides ...]")
 
 
-def split_flags(argv: list[str]) -> tuple[str, bool, list[str]]:
-    """The hardware named by ``--hardware`` (default h100), whether ``--recommend`` is given, and the remaining
-    arguments (the overrides)."""
-    hardware, recommend, rest, args = "h100", False, [], iter(argv)
+class Flags(NamedTuple):
+    """The plan command's own options, and the overrides of the job."""
+
+    hardware: str | None  # --hardware (None: not given)
+    recommend: bool
+    calibrate: Path | None  # --calibrate FILE.yaml: the profile to write
+    overrides: list[str]
+
+
+def split_flags(argv: list[str]) -> Flags:
+    """The plan command's options and the remaining arguments (the overrides)."""
+    flags, rest, args = {"hardware": None, "recommend": False, "calibrate": None}, [], iter(argv)
     for arg in args:
-        if arg == "--hardware" or arg.startswith("--hardware="):
+        name = arg.partition("=")[0]
+        if name in ("--hardware", "--calibrate"):
             value = arg.partition("=")[2] or next(args, None)
             if not value:
-                raise ConfigError("--hardware", "needs a value", "give --hardware h100 (or another profile)")
-            hardware = value
+                raise ConfigError(name, "needs a value", "give --hardware h100 (or another profile)"
+                                  if name == "--hardware" else "give --calibrate mydevice.yaml")
+            flags[name[2:]] = value if name == "--hardware" else Path(value)
         elif arg == "--recommend":
-            recommend = True
+            flags["recommend"] = True
         elif arg.startswith("-"):
             raise ConfigError(arg, "is not an option of the plan command", USAGE)
         else:
             rest.append(arg)
-    return hardware, recommend, rest
+    if flags["recommend"] and flags["calibrate"]:
+        raise ConfigError("--calibrate", "cannot be given with --recommend", USAGE)
+    return Flags(**flags, overrides=rest)
 
 
 def job_estimate(argv: list[str], hardware=None):
     """The plan and the :class:`~titan_core.planner.estimate.Estimate` of a command line (``--hardware`` and
     the overrides of a run), or of its overrides on ``hardware`` when given; raises ConfigError on bad input."""
-    hardware_name, _, overrides = split_flags(argv)
-    hardware = hardware or hardware_profile(hardware_name)
-    config = composed(overrides)
-    vocab_size = load_tokenizer(config.tokenizer).vocab_size
-    registry = Registry(config)
-    plan = build_plan(config, registry, None, vocab_size)
-    check_job(config, plan)
-    return plan, estimate(config, plan, registry, hardware)
+    flags = split_flags(argv)
+    return planned_job(flags.overrides, hardware or hardware_profile(flags.hardware or DEFAULT_HARDWARE))
 
 
 def plan_costs(argv: list[str]) -> str:
     """What the plan command prints for a command line."""
-    if split_flags(argv)[1]:
+    flags = split_flags(argv)
+    if flags.recommend:
         return recommendations(argv)
+    if flags.calibrate:
+        return calibrate(flags.calibrate, flags.hardware, flags.overrides)
     plan, result = job_estimate(argv)
     return plan.describe() + "\n" + report(result)
 
 
 def recommendations(argv: list[str]) -> str:
     """The best plans for the cluster of a command line, as the command lines that run them."""
-    hardware_name, _, overrides = split_flags(argv)
-    hardware = hardware_profile(hardware_name)
+    flags = split_flags(argv)
+    overrides, hardware = flags.overrides, hardware_profile(flags.hardware or DEFAULT_HARDWARE)
     config = composed(overrides)
     best, tried = recommend(config, hardware, load_tokenizer(config.tokenizer).vocab_size)
     world = config.launch.world_size

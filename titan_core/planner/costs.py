@@ -6,7 +6,10 @@ import functools
 
 import torch
 
+from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
+from titan_core.job.checks import check_job
+from titan_core.job.command_line import composed
 from titan_core.mesh import device_kind
 from titan_core.options import compute_dtype
 from titan_core.plan import Plan
@@ -14,7 +17,7 @@ from titan_core.planner.accuracy import error_band
 from titan_core.planner.estimate import CATEGORIES, GIB, Estimate, evaluated
 from titan_core.planner.facts import model_facts, optimizer_facts
 from titan_core.planner.hardware import Hardware, by_device_name, cpu_measured
-from titan_core.plugins import Hooks, Registry
+from titan_core.plugins import Hooks, Registry, build_plan
 
 
 def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced: dict | None = None) -> Estimate:
@@ -57,6 +60,16 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     return result
 
 
+def planned_job(overrides: list[str], hardware: Hardware) -> tuple[Plan, Estimate]:
+    """The plan and the estimate on ``hardware`` of the job ``overrides`` describe, composed and checked as
+    ``python -m titan_core.run`` checks it; raises ConfigError on bad input."""
+    config = composed(overrides)
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, load_tokenizer(config.tokenizer).vocab_size)
+    check_job(config, plan)
+    return plan, estimate(config, plan, registry, hardware)
+
+
 def report(result: Estimate) -> str:
     """The estimate as the plan command prints it."""
     result = result.most_loaded()
@@ -81,7 +94,7 @@ def report(result: Estimate) -> str:
     flops = result.step_flops()
     lines += [f"  step: {seconds['step']:.4g} s = " + ", ".join(
                   f"{part} {value:.4g}" for part, value in seconds.items() if part != "step"),
-              f"  FLOPs per rank per step: {flops:.4g}; MFU {flops / seconds['step'] / (hardware.peak_tflops() * 1e12):.1%}",
+              f"  FLOPs per rank per step: {flops:.4g}; MFU {flops / seconds['step'] / (result.peak_tflops() * 1e12):.1%}",
               f"  throughput: {result.tokens_per_device():,.0f} tokens/s/device "
               f"({tokens / seconds['step']:,.0f} tokens/s for the job)"]
     for c in result.collectives:
@@ -89,7 +102,7 @@ def report(result: Estimate) -> str:
                      f"at {result.link_gbps(c.dims):.0f} GB/s{' (overlapped)' if c.overlapped else ''}")
     if result.not_counted:
         lines.append(f"  not counted (no estimate_costs hook): {', '.join(result.not_counted)}")
-    band = error_band(hardware.device_type)
+    band = error_band(hardware.name, hardware.device_type)
     lines.append(f"  {band.describe()}" if band else f"  expected error: not measured on {hardware.device_type} devices")
     return "\n".join(lines)
 

@@ -297,7 +297,7 @@ class Estimate:
         """Seconds of one optimizer step on one rank, by part, and the total."""
         hardware = self.hardware
         matmul = (self.step_flops() * (1 + self.recomputed_fraction) / self.matmul_speedup
-                  + evaluated(self.optimizer_flops, self)) / (hardware.peak_tflops() * 1e12 * hardware.achievable)
+                  + evaluated(self.optimizer_flops, self)) / (hardware.matmul_tflops() * 1e12)
         facts = self.facts
         produced = (sum(facts.block_saved[i] for i in self.blocks) / self.activation_split
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
@@ -308,10 +308,8 @@ class Estimate:
         host = self.host_seconds()
         hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
         waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)
-        if hardware.cores:  # measured on one thread: a worker runs on its threads, at most its share of the cores
-            workers = min(self.plan.world_size, hardware.devices_per_node)
-            threads = cpu_threads(self.config.launch, self.plan.world_size) or hardware.cores
-            speed = min(threads, hardware.cores / workers)
+        if hardware.cores:
+            speed = self.cpu_threads()
             matmul, elementwise, optimizer = matmul / speed, elementwise / speed, optimizer / speed
             host /= min(1.0, speed)  # one thread issues the operators
             compute = matmul + elementwise + optimizer + host  # the same threads issue and compute
@@ -325,6 +323,16 @@ class Estimate:
         return {"matmul": matmul, "elementwise": elementwise, "optimizer": optimizer,
                 "host": host if hardware.cores else max(0.0, host - (matmul + elementwise + optimizer)),
                 "exposed communication": busy - compute, "pipeline bubble": total - busy, "step": total}
+
+    def cpu_threads(self) -> float:
+        """A CPU profile is measured on one thread: a worker runs on its threads, at most its share of the cores."""
+        workers = min(self.plan.world_size, self.hardware.devices_per_node)
+        threads = cpu_threads(self.config.launch, self.plan.world_size) or self.hardware.cores
+        return min(threads, self.hardware.cores / workers)
+
+    def peak_tflops(self) -> float:
+        """The dense bf16 peak of what one rank computes on: a device, or a CPU worker's threads."""
+        return self.hardware.peak_tflops() * (self.cpu_threads() if self.hardware.cores else 1)
 
     def tokens_per_device(self) -> float:
         """Predicted training tokens per second per device (TPS/GPU)."""

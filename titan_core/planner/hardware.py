@@ -6,9 +6,11 @@ sparsity) peak per device. A device that matches no profile is unknown: the call
 ``metrics.peak_tflops`` rather than taking a neighbour's figure (an H100 PCIe peaks at three quarters of an
 H100 SXM, and a substring match on "H100" used to give it the SXM's figure).
 
-``achievable`` is the one figure that is not a datasheet's: the fraction of the dense peak that the matmuls of
-a training step reach at LLM shapes. It is the same for every profile (0.6: what cuBLAS-class kernels reach on
-4k-wide GEMMs); the planner's error against published runs in docs/planner.md is measured with it untuned.
+``achievable`` and ``fp8_achievable`` are the figures that are not a datasheet's: the share of the dense peak
+(bf16, float8) that a training step's matmuls reach end to end on that card, kernels' efficiency and everything
+the step does between them. Each is set from one published run on the card, named beside it, and every other
+run of that card in ``bench/planner_vs_seeds.py`` is a prediction (docs/planner.md prints the errors). A card
+without a published run takes the H100's shares (the L40S: unchecked).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from omegaconf import OmegaConf
 from titan_core.errors import ConfigError
 from titan_core.planner.facts import timed_step
 
+# H100: TorchTitan's Llama 3.1 8B FSDP job on 8 H100s (bf16), and its FSDP + compile + float8 job (float8).
 ACHIEVABLE = 0.37
+H100_FP8_ACHIEVABLE = 0.34
 # Of a device's memory, what a plan may fill: the rest goes to the CUDA context, the kernels' workspaces and
 # the caching allocator's fragmentation, none of which the planner counts.
 USABLE_SHARE = 0.9
@@ -49,6 +53,7 @@ class Hardware:
     inter_node_gbps: float = 50.0  # the network between nodes (400 Gb/s per device)
     devices_per_node: int = 8
     achievable: float = ACHIEVABLE
+    fp8_achievable: float | None = None  # the share of the float8 peak float8 matmuls reach (None: achievable)
     # Fixed costs the bandwidths miss: one collective call's latency (NCCL's small-message figure within an
     # NVLink node), and the host's time to issue one operator eagerly (dispatch and autograd's bookkeeping).
     collective_latency_us: float = 10.0
@@ -64,18 +69,29 @@ class Hardware:
     def peak_tflops(self, float8: bool = False) -> float:
         return self.fp8_tflops if float8 and self.fp8_tflops else self.bf16_tflops
 
+    def matmul_tflops(self, float8: bool = False) -> float:
+        """What a training step's matmuls reach end to end: the dense peak times the share this card reaches."""
+        if float8 and self.fp8_tflops:
+            return self.fp8_tflops * (self.fp8_achievable or self.achievable)
+        return self.bf16_tflops * self.achievable
+
 
 PROFILES = (
-    Hardware("h100_sxm", r"NVIDIA H100 80GB HBM3|NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 79.6),
+    Hardware("h100_sxm", r"NVIDIA H100 80GB HBM3|NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 79.6,
+             fp8_achievable=H100_FP8_ACHIEVABLE),
     # The H100 SXM with 96 GB of HBM2e (2.4 TB/s) that TorchTitan's published Llama 3.1 tables ran on.
-    Hardware("h100_sxm_96gb", r"NVIDIA H100 SXM5 96GB|NVIDIA H100 96GB HBM2e", 989.4, 1978.9, 94.5, 2400.0),
-    Hardware("h100_pcie", r"NVIDIA H100 PCIe", 756.0, 1513.0, 79.6, 2000.0, 64.0),
-    Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5, 1670.9, 93.0, 3900.0, 300.0),
-    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0),
+    Hardware("h100_sxm_96gb", r"NVIDIA H100 SXM5 96GB|NVIDIA H100 96GB HBM2e", 989.4, 1978.9, 94.5, 2400.0,
+             fp8_achievable=H100_FP8_ACHIEVABLE),
+    Hardware("h100_pcie", r"NVIDIA H100 PCIe", 756.0, 1513.0, 79.6, 2000.0, 64.0, fp8_achievable=H100_FP8_ACHIEVABLE),
+    Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5, 1670.9, 93.0, 3900.0, 300.0, fp8_achievable=H100_FP8_ACHIEVABLE),
+    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0, fp8_achievable=H100_FP8_ACHIEVABLE),  # H100's die
+    # TorchTitan's Llama 3 8B FSDP job on 64 A100s, selective op checkpointing (docs/performance.md, April 2024).
     Hardware("a100", r"NVIDIA A100-SXM4-(40|80)GB|NVIDIA A100-PCIE-40GB|NVIDIA A100 80GB PCIe", 312.0, None, 79.2,
-             2039.0, 300.0, 25.0),
-    Hardware("l40s", r"NVIDIA L40S", 362.1, 733.0, 44.4, 864.0, 32.0, 25.0),
-    Hardware("mi300x", r"AMD Instinct MI300X", 1307.4, 2614.9, 191.5, 5300.0, 448.0),
+             2039.0, 300.0, 25.0, achievable=0.58),
+    Hardware("l40s", r"NVIDIA L40S", 362.1, 733.0, 44.4, 864.0, 32.0, 25.0, fp8_achievable=H100_FP8_ACHIEVABLE),
+    # torchao's Llama 3 8B FSDP + compile runs on 8 MI300X, bf16 and float8 tensorwise (torchao/float8/README.md).
+    Hardware("mi300x", r"AMD Instinct MI300X", 1307.4, 2614.9, 191.5, 5300.0, 448.0, achievable=0.25,
+             fp8_achievable=0.15),
 )
 ALIASES = {"h100": "h100_sxm"}
 CPU_MEASURED = "cpu-measured"

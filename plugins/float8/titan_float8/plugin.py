@@ -132,7 +132,7 @@ def after_optimizer_step(model_parts, plugin_config):
 
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
-    """float8: the blocks' matmuls at the hardware's float8 peak, one more pass over each activation for the
+    """float8: the blocks' matmuls at the float8 rate the hardware reaches, one more pass over each activation for the
     casts, and float8 weights in FSDP's all-gather when fsdp_float8_all_gather is on."""
     hardware = estimate.hardware
     if estimate.device_type == "cuda" and not hardware.fp8_tflops:
@@ -141,7 +141,7 @@ def estimate_costs(estimate, plugin_config, plan):
     if hardware.fp8_tflops:
         linear = 6 * sum(estimate.facts.block_params) / plan.model.flops_per_token(estimate.seq_len)
         share = min(linear, 1.0)
-        estimate.matmul_speedup /= (1 - share) + share * hardware.bf16_tflops / hardware.fp8_tflops
+        estimate.matmul_speedup /= (1 - share) + share * hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
     estimate.elementwise_passes += 1
     if plugin_config.fsdp_float8_all_gather:
         estimate.gather_bytes = 1
