@@ -132,7 +132,8 @@ def after_optimizer_step(model_parts, plugin_config):
 
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
-    """float8: the blocks' matmuls at the float8 rate the hardware reaches, one more pass over each activation for the
+    """float8: the blocks' matmuls (rowwise_with_gw_hp: two of each linear's three) at the float8 rate the hardware
+    reaches, one more pass over each activation for the
     casts, and float8 weights in FSDP's all-gather when fsdp_float8_all_gather is on."""
     hardware = estimate.hardware
     if estimate.device_type == "cuda" and not hardware.fp8_tflops:
@@ -140,7 +141,8 @@ def estimate_costs(estimate, plugin_config, plan):
                           "remove float8 from +plugins=[...], or plan for hardware that has them (h100, h200, ...)")
     if hardware.fp8_tflops:
         linear = 6 * sum(estimate.facts.block_params) / plan.model.flops_per_token(estimate.seq_len)
-        share = min(linear, 1.0)
+        # rowwise_with_gw_hp leaves the weight gradient's matmul, one of each linear's three, in high precision.
+        share = min(linear, 1.0) * (2 / 3 if plugin_config.recipe == "rowwise_with_gw_hp" else 1)
         estimate.matmul_speedup /= (1 - share) + share * hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
     estimate.elementwise_passes += 1
     if plugin_config.fsdp_float8_all_gather:
