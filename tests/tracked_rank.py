@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from titan_core import objective
 from titan_core.mesh import ParallelMesh
@@ -27,10 +28,24 @@ from titan_core.testing import compose
 from titan_core.train import build_model_parts, build_training_step
 
 
+class _ModTracker(ModTracker):
+    """torch's module tracker, without a gradient hook on a leaf input (a pipeline stage's received activations):
+    zero-bubble schedules take their gradients with autograd.grad, which refuses such hooks. The tracker then
+    learns that backward left the stage's root module when the step's backward ends, not when its own does."""
+
+    def _fw_pre_hook(self, module, inputs):
+        leafless = tuple(None if isinstance(a, torch.Tensor) and a.is_leaf else a for a in inputs)
+        super()._fw_pre_hook(module, leafless)
+
+
 class Tracker(MemTracker):
     """torch's tracker, letting a whole model part run forward several times in a step (once per micro-batch:
     accumulation, a pipeline stage), which it refuses as a second iteration: the part's own record starts
     again, the peak by category stays."""
+
+    def __init__(self):
+        super().__init__()
+        self._mod_tracker = _ModTracker()
 
     def _pre_fw_hook(self, module, inputs):
         modules = self._mod_tracker
