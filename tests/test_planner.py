@@ -379,6 +379,36 @@ def test_a_field_an_outsider_sets_is_read_by_the_plugins_it_concerns(tmp_path):
     assert "splitstream: gathered stream" in printed and "(after the blocks' backward)" in printed
 
 
+LOGIT_CHUNKS = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """logitchunks: the loss makes the logits `tokens` at a time, keeping none from forward."""
+    estimate.logits_tokens = plugin_config.tokens
+'''
+
+
+def test_an_outsiders_chunked_loss_keeps_one_chunk_of_logits(tmp_path):
+    """Estimate.logits_tokens, set as docs/writing-plugins.md says by a plugin written from it: the activations
+    printed are the plan's with the logits of 16 tokens instead of the micro-batch's 512."""
+    env = install_plugins(tmp_path / "site", {"logitchunks": (LOGIT_CHUNKS, "tokens: 16\n")}, "logitchunks-plugin")
+
+    def activations(*extra):
+        done = _plan_command("--hardware", "a100", *SMALL, *extra, env=env)
+        assert done.returncode == 0, done.stderr
+        line = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["activations"])
+        return float(line.split()[1]) * {"MiB": 2**20, "KiB": 2**10}[line.split()[2]]
+
+    *_, plain = _estimate()
+    plain = dataclasses.replace(plain, hardware=hardware_profile("a100"), compute_dtype=torch.bfloat16)
+    chunked = dataclasses.replace(plain, logits_tokens=16)
+    assert activations() == pytest.approx(plain.memory()["activations"], rel=0.01)
+    assert activations("+plugins=[logitchunks]") == pytest.approx(chunked.memory()["activations"], rel=0.01)
+    assert chunked.memory()["activations"] < 0.9 * plain.memory()["activations"]
+
+
 MOMENTUM = '''
 import torch
 from titan_core import hookimpl

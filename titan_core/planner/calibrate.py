@@ -63,10 +63,14 @@ def calibrate(out: Path, base_name: str | None, overrides: list[str]) -> str:
     scale = achievable / base.achievable
     calibrated = dataclasses.replace(base, name=f"calibrated-{base.name}", device_names="", achievable=achievable,
                                      fp8_achievable=base.fp8_achievable and base.fp8_achievable * scale)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(dataclasses.asdict(calibrated)), out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(dataclasses.asdict(calibrated)), out)
+    except OSError as error:  # a full disk, a read-only folder: the measurement is lost, say so in one line
+        raise ConfigError("--calibrate", f"cannot write {out}: {error.strerror or error}",
+                          "give a path in a writable folder with room") from None
     return (f"titan-core: the probe ({' '.join(job)}) took {measured:.4g} s a step on "
-            f"{kind} (median after {WARMUP_STEPS} warm-up steps), planned {planned.step_seconds()['step']:.4g} s on "
+            f"{kind} (median after {WARMUP_STEPS} warm-up steps), planned {seconds['step']:.4g} s on "
             f"{base.name}; wrote {out} (achievable {base.achievable:.3g} -> {achievable:.3g}): plan with --hardware {out}")
 
 

@@ -9,6 +9,7 @@ degrees) sizes the world, whatever this machine holds.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from pathlib import Path
@@ -21,6 +22,7 @@ from titan_core.planner.calibrate import calibrate
 from titan_core.planner.costs import planned_job, report
 from titan_core.planner.hardware import hardware_profile
 from titan_core.planner.recommend import recommend
+from titan_core.preemption import exit_code
 
 DEFAULT_HARDWARE = "h100"
 
@@ -107,3 +109,6 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as error:
         print(f"titan-core: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:  # Ctrl-C while planning or calibrating: nothing was written
+        print("titan-core: stopped by SIGINT; nothing written", file=sys.stderr)
+        sys.exit(exit_code(signal.SIGINT))

@@ -44,12 +44,11 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     if "optimizer" not in traced:
         traced["optimizer"] = optimizer_facts(functools.partial(hooks.first, "build_optimizer"), config)
     optimizer = traced["optimizer"]
-    result.optimizer_bytes = optimizer.traffic
+    result.optimizer_bytes, result.optimizer_state_bytes = optimizer.traffic, optimizer.state
     result.optimizer_operators = lambda e: optimizer.operators(e.facts.parameter_roles, e.facts.parameter_tensors)
     # The core's own collective: the step's trained tokens, summed over every rank before the first forward.
     result.add_collective("all-reduce of the step's trained tokens", tuple(plan.mesh_shape), 4, overlapped=False,
                           plugin="core", calls=1)
-    result.optimizer_state_bytes = optimizer.state
     for name in (p.name for p in plan.plugins):
         if registry.implements(name, "estimate_costs"):
             hooks.call(name, "estimate_costs", estimate=result, config=config)
@@ -98,7 +97,8 @@ def report(result: Estimate) -> str:
               f"  throughput: {result.tokens_per_device():,.0f} tokens/s/device "
               f"({tokens / seconds['step']:,.0f} tokens/s for the job)"]
     for c in result.collectives:
-        lines.append(f"  collective {c.plugin}: {c.name} over {' x '.join(c.dims)}: {_size(evaluated(c.bytes, result))} per step "
+        lines.append(f"  collective {c.plugin}: {c.name} over {' x '.join(c.dims) or 'the one rank'}: "
+                     f"{_size(evaluated(c.bytes, result))} per step "
                      f"at {result.link_gbps(c.dims):.0f} GB/s{' (overlapped)' if c.overlapped else ''}")
     if result.not_counted:
         lines.append(f"  not counted (no estimate_costs hook): {', '.join(result.not_counted)}")

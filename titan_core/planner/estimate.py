@@ -309,7 +309,7 @@ class Estimate:
         hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
         waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)
         if hardware.cores:
-            speed = self.cpu_threads()
+            speed = self.worker_threads()
             matmul, elementwise, optimizer = matmul / speed, elementwise / speed, optimizer / speed
             host /= min(1.0, speed)  # one thread issues the operators
             compute = matmul + elementwise + optimizer + host  # the same threads issue and compute
@@ -324,7 +324,7 @@ class Estimate:
                 "host": host if hardware.cores else max(0.0, host - (matmul + elementwise + optimizer)),
                 "exposed communication": busy - compute, "pipeline bubble": total - busy, "step": total}
 
-    def cpu_threads(self) -> float:
+    def worker_threads(self) -> float:
         """A CPU profile is measured on one thread: a worker runs on its threads, at most its share of the cores."""
         workers = min(self.plan.world_size, self.hardware.devices_per_node)
         threads = cpu_threads(self.config.launch, self.plan.world_size) or self.hardware.cores
@@ -332,7 +332,7 @@ class Estimate:
 
     def peak_tflops(self) -> float:
         """The dense bf16 peak of what one rank computes on: a device, or a CPU worker's threads."""
-        return self.hardware.peak_tflops() * (self.cpu_threads() if self.hardware.cores else 1)
+        return self.hardware.peak_tflops() * (self.worker_threads() if self.hardware.cores else 1)
 
     def tokens_per_device(self) -> float:
         """Predicted training tokens per second per device (TPS/GPU)."""

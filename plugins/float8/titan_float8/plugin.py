@@ -133,8 +133,8 @@ def after_optimizer_step(model_parts, plugin_config):
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """float8: the blocks' matmuls (rowwise_with_gw_hp: two of each linear's three) at the float8 rate the hardware
-    reaches, one more pass over each activation for the
-    casts, and float8 weights in FSDP's all-gather when fsdp_float8_all_gather is on."""
+    reaches, one more pass over each activation for the casts, and float8 weights in FSDP's all-gather when
+    fsdp_float8_all_gather is on."""
     hardware = estimate.hardware
     if estimate.device_type == "cuda" and not hardware.fp8_tflops:
         raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
