@@ -188,10 +188,11 @@ def test_each_call_pays_the_latency_and_each_operator_the_host_time():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "GPipe"])
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble", "DualPipeV"])
 def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
-    """Pipeline ranks differ (stages, micro-batches in flight, receive buffers) and send each other what a fake
-    process group cannot make up: each rank of a real two-rank gloo world tracks its own step."""
+    """Pipeline ranks differ (stages, micro-batches in flight, receive buffers; a zero-bubble schedule's
+    micro-batches waiting for their weight half) and send each other what a fake process group cannot make up:
+    each rank of a real two-rank gloo world tracks its own step."""
     overrides = ("launch.device=cpu", "+plugins=[pp]", "plugins.pp.degree=2", f"plugins.pp.schedule={schedule}",
                  "plugins.pp.microbatches=4")
     *_, result = _estimate(*overrides)
@@ -203,6 +204,9 @@ def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
         predicted = estimated.memory()
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)
+        # The tracker's other tensors: the receive buffers (a V's middle rank has half as many as its stages
+        # would) and, under DualPipeV, a micro-batch's in transit.
+        assert measured["OTH"] / 1.3 < predicted["buffers"] < measured["OTH"] * 1.01
         assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.05, (rank, predicted, measured)
 
 
@@ -407,6 +411,32 @@ def test_an_outsiders_chunked_loss_keeps_one_chunk_of_logits(tmp_path):
     assert activations() == pytest.approx(plain.memory()["activations"], rel=0.01)
     assert activations("+plugins=[logitchunks]") == pytest.approx(chunked.memory()["activations"], rel=0.01)
     assert chunked.memory()["activations"] < 0.9 * plain.memory()["activations"]
+
+
+DEFERRED_WEIGHTS = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """deferredw: each block's weight gradients wait `waiting` micro-batches after their input half."""
+    estimate.weight_halves_waiting = plugin_config.waiting
+'''
+
+
+def test_an_outsiders_deferred_weight_gradients_keep_what_their_weight_half_needs(tmp_path):
+    """Estimate.weight_halves_waiting, set by a plugin written from docs/writing-plugins.md: each waiting
+    micro-batch keeps the gradients of its blocks' parameter-reading results (facts.block_param_results)."""
+    env = install_plugins(tmp_path / "site", {"deferredw": (DEFERRED_WEIGHTS, "waiting: 2\n")}, "deferredw-plugin")
+    done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[deferredw]", env=env)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["activations"])
+    printed = float(line.split()[1]) * {"MiB": 2**20, "KiB": 2**10}[line.split()[2]]
+    *_, plain = _estimate()
+    plain = dataclasses.replace(plain, hardware=hardware_profile("a100"), compute_dtype=torch.bfloat16)
+    waiting = 2 * plain.microbatch_tokens * sum(plain.facts.block_param_results)
+    assert printed == pytest.approx(plain.memory()["activations"] + waiting, rel=0.01)
+    assert waiting > 0.2 * plain.memory()["activations"]  # a change the tolerance cannot hide
 
 
 MOMENTUM = '''
@@ -616,8 +646,8 @@ def test_the_estimate_says_by_how_much_it_fits_and_how_far_off_the_planner_has_b
     room = CPU.usable_gib * GIB - total
     text = report(small)
     assert f"(fits, {room / GIB:.2f} GiB to spare, in the {CPU.usable_gib:.1f} GiB a plan may fill of 16.0)" in text
-    assert text.splitlines()[-1] == ("  expected error (against 31 plans tracked on this CPU and 8 step-time ratios, "
-                                     "docs/planner.md): memory mean 1%, worst -4%; tokens/s mean 14%, worst -22%")
+    assert text.splitlines()[-1] == ("  expected error (against 35 plans tracked on this CPU and 8 step-time ratios, "
+                                     "docs/planner.md): memory mean 1%, worst +4%; tokens/s mean 14%, worst -22%")
     tight = dataclasses.replace(small, hardware=dataclasses.replace(CPU, memory_gib=total / GIB, device_type="cuda"))
     over = total - tight.hardware.usable_gib * GIB
     text = report(tight)

@@ -29,13 +29,14 @@ from titan_core.train import build_model_parts, build_training_step
 
 
 class _ModTracker(ModTracker):
-    """torch's module tracker, without a gradient hook on a leaf input (a pipeline stage's received activations):
-    zero-bubble schedules take their gradients with autograd.grad, which refuses such hooks. The tracker then
-    learns that backward left the stage's root module when the step's backward ends, not when its own does."""
+    """torch's module tracker, without its gradient hooks on a module's inputs. Under a backward split in two
+    (zero-bubble pipeline schedules) those hooks keep each micro-batch's graph, and so its activations, alive
+    until the step ends (a ZBV rank tracked at 6.2 MB peaks at 4.0 MB of the step's own allocations), and they
+    refuse a stage's received activations, leaf tensors autograd.grad differentiates. The tracker then learns
+    that backward left a module when the step's backward ends: its categories and totals are unchanged."""
 
     def _fw_pre_hook(self, module, inputs):
-        leafless = tuple(None if isinstance(a, torch.Tensor) and a.is_leaf else a for a in inputs)
-        super()._fw_pre_hook(module, leafless)
+        super()._fw_pre_hook(module, ())
 
 
 class Tracker(MemTracker):

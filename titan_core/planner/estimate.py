@@ -62,8 +62,10 @@ class Estimate:
     a sequence is split over: context parallel), ``activation_split`` / ``outer_split`` (ranks the blocks' /
     the outputs' and loss's activations are split over: tensor and sequence parallel, loss parallel),
     ``stream_split`` (ranks the residual stream between blocks is split over besides ``sequence_split``:
-    sequence parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once:
-    pipeline schedules), ``logits_tokens`` (tokens whose logits exist at once, None: a micro-batch's; a loss
+    sequence parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once, in units
+    of all this rank's blocks, a number or a function of the estimate: pipeline schedules),
+    ``weight_halves_waiting`` (of those, the ones whose backward ran its input half and keeps the gradients its
+    weight half needs, in the same units: zero-bubble schedules), ``logits_tokens`` (tokens whose logits exist at once, None: a micro-batch's; a loss
     that computes them chunk by chunk keeps none from forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
@@ -103,7 +105,8 @@ class Estimate:
     stream_split: int = 1
     activation_split: int = 1
     outer_split: int = 1
-    microbatches_in_flight: int = 1
+    microbatches_in_flight: float | Callable[[Estimate], float] = 1
+    weight_halves_waiting: float | Callable[[Estimate], float] = 0
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     recomputed_fraction: float = 0.0
@@ -118,6 +121,7 @@ class Estimate:
     optimizer_operators: float | Callable[[Estimate], float] = 0.0
     trained_share: float = 1.0
     ranks: list[dict] = field(default_factory=list)
+    rank: int = 0  # which of ``ranks`` this estimate is
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
     collectives: list[Collective] = field(default_factory=list)
     counted: list[str] = field(default_factory=list)
@@ -158,7 +162,7 @@ class Estimate:
 
     def each_rank(self) -> list[Estimate]:
         """One estimate per kind of rank in ``ranks``, in their order (this estimate when all ranks are alike)."""
-        return [replace(self, ranks=[], **fields) for fields in self.ranks] or [self]
+        return [replace(self, ranks=[], rank=index, **fields) for index, fields in enumerate(self.ranks)] or [self]
 
     def most_loaded(self) -> Estimate:
         """The rank with the most memory."""
@@ -213,6 +217,10 @@ class Estimate:
         chunked = self.logits_tokens is not None
         return (self.facts.outer_saved - chunked * self.facts.outer_logits) / self.outer_split
 
+    def param_results_per_token(self) -> float:
+        """Bytes per token of one micro-batch of the gradients a split backward keeps for its weight half here."""
+        return sum(self.facts.block_param_results[i] for i in self.blocks) / self.activation_split
+
     def gradients_at_peak(self) -> bool:
         """Whether every gradient exists throughout backward: a step of several micro-batches accumulates them."""
         return self.microbatches_per_step() > 1
@@ -228,7 +236,8 @@ class Estimate:
         facts, tokens = self.facts, self.microbatch_tokens
         shards = self.weight_split * self.state_shards
         state = self.held_params() / shards
-        others = (self.microbatches_in_flight - 1) * tokens * self.kept_per_token()
+        others = tokens * ((evaluated(self.microbatches_in_flight, self) - 1) * self.kept_per_token()
+                           + evaluated(self.weight_halves_waiting, self) * self.param_results_per_token())
         kept = [tokens * self.kept(i) for i in self.blocks]
         outer = tokens * self.outer_kept()
         if not self.holds_outputs:

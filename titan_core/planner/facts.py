@@ -57,6 +57,9 @@ class ModelFacts:
     ``block_ops[i]``: aten operators block ``i``'s forward and backward run, ``outer_ops``: those of the rest
     and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's;
     ``parameter_roles``: the roles among them (the core's optimizer steps one parameter group per role).
+    ``block_param_results[i]``: bytes per token of the results of block ``i``'s ops that read a parameter (its
+    weights' matmuls, its norms' scales): the gradients a backward split in two keeps from its input half for its
+    weight half.
     ``block_expert_params[i]``: the parameters of block ``i``'s experts module (``ModelDescription.experts``; 0 in a
     dense block), ``block_expert_input[i]``: bytes per token of the token copies entering it (what expert parallel
     sends to the experts' ranks and back).
@@ -75,6 +78,7 @@ class ModelFacts:
     attention_kv: float
     buffer_bytes: int
     block_backward: tuple[float, ...]
+    block_param_results: tuple[float, ...]
     loss_backward: float
     block_ops: tuple[int, ...]
     outer_ops: int
@@ -101,20 +105,25 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors}
+
+
 class _Tracer(TorchDispatchMode):
     """Records, per block, what autograd keeps and what each aten op makes, as bytes per token."""
 
     active: _Tracer | None = None
 
-    def __init__(self, positions: int, learned: set[int], n_blocks: int):
+    def __init__(self, positions: int, parameters: set[int], buffers: set[int], n_blocks: int):
         super().__init__()
-        self.positions, self.learned = positions, learned
+        self.positions, self.parameters, self.learned = positions, parameters, parameters | buffers
         self.block: int | None = None  # the block running, None outside the blocks
         self.counting: int | None = None  # the block whose forward or backward runs, None outside the blocks
         self.ops = [0] * (n_blocks + 1)  # per block, and last the operators outside the blocks
         self.kept_alive: list[torch.Tensor] = []  # so that no other storage reuses a recorded one's address
         self.saved: dict[int, tuple[int | None, int, tuple[int, ...]]] = {}  # storage -> block, bytes, shape
         self.made = [{} for _ in range(n_blocks)]
+        self.param_results = [0.0] * n_blocks
         self.matmuls = 0  # of the block being traced
         self.block_input = 0.0
         self.stream_shape: tuple[int, ...] = ()
@@ -143,6 +152,10 @@ class _Tracer(TorchDispatchMode):
                 if self.matmuls % 2:
                     made[ALTERNATE_MATMULS] = made.get(ALTERNATE_MATMULS, 0.0) + nbytes
 
+    def _reads_parameter(self, args) -> bool:
+        return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata in self.parameters
+                   for a in pytree.tree_leaves(args))
+
     def enter(self, index: int, module, args) -> None:
         self.block = self.counting = index
         self.matmuls = 0
@@ -161,6 +174,9 @@ class _Tracer(TorchDispatchMode):
         self.ops[-1 if self.counting is None else self.counting] += 1
         results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
         self.record(func.overloadpacket.__name__, *results)
+        if self.block is not None and self._reads_parameter(args):
+            self.param_results[self.block] += sum(_nbytes(r) for r in results
+                                                  if r.untyped_storage()._cdata not in self.learned) / self.positions
         for result in results:
             self.allocated(result.untyped_storage())
         return out
@@ -269,8 +285,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
     buffer_bytes = sum(_nbytes(b) for b in model.buffers())
     model.to(dtype)
     blocks = list(description.blocks_of(model).values()) if description.blocks else []
-    tracer = _Tracer(min(TRACE_TOKENS, seq_len), {t.untyped_storage()._cdata for t in [*model.parameters(),
-                                                                                      *model.buffers()]}, len(blocks))
+    tracer = _Tracer(min(TRACE_TOKENS, seq_len), _storages(model.parameters()), _storages(model.buffers()), len(blocks))
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(functools.partial(tracer.enter, index))
         block.register_forward_hook(tracer.leave)
@@ -328,6 +343,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
+                      block_param_results=tuple(tracer.param_results),
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
                       parameter_tensors=len(list(model.parameters())),
                       parameter_roles=len({parameter_role(description, name, p) for name, p in model.named_parameters()}),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from types import SimpleNamespace
 
 import torch
 from torch.distributed.pipelining import PipelineStage, schedules
@@ -197,26 +198,36 @@ def _layout(plugin_config, plan) -> Layout:
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """pp: each rank holds its stages' blocks and keeps the activations of the micro-batches its schedule has
-    in flight (1F1B: fewer on later stages; GPipe: all), idles for the schedule's bubble, sends the residual
-    stream to the next stage (and its gradient back) per micro-batch and keeps a receive buffer per micro-batch."""
+    in flight (1F1B: fewer on later stages; GPipe: all; a zero-bubble schedule's until their weight half, with
+    the gradients that half needs), idles for the schedule's bubble, sends the residual stream to the next stage
+    (and its gradient back) per micro-batch and keeps a receive buffer per micro-batch from another rank."""
     layout = _layout(plugin_config, plan)
     kind = schedule_kind(plugin_config)
     degree, chunks, microbatches = layout.degree, layout.stages_per_rank, layout.microbatches
     estimate.microbatch_rows //= microbatches
     last = layout.num_stages - 1
 
-    def in_flight(rank: int) -> float:
-        """Micro-batches whose activations rank ``rank`` holds at once, in units of all its blocks."""
+    def held(rank: int) -> dict:
+        """The fields saying how many micro-batches rank ``rank`` keeps at its memory's peak, in units of all its
+        blocks: for several stages a rank, as torch's order of its actions has them."""
         if plugin_config.schedule in ("GPipe", "LoopedBFS"):
-            return microbatches
+            return dict(microbatches_in_flight=microbatches)
         if not kind.looped:
-            return min(microbatches, degree - rank)
-        warmup = min(microbatches * chunks, (chunks - 1) * degree + 2 * (degree - rank - 1) + 1)
-        return warmup / chunks
+            return dict(microbatches_in_flight=min(microbatches, degree - rank))
+        stages = layout.stages_of(rank)
+        moments = backward_moments(torch_order(plugin_config.schedule, layout, rank), stages)
+
+        def peak(e) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks, at the peak
+            kept = [sum(e.kept(i) for i in layout.blocks[s]) + (s == last) * e.outer_kept() for s in stages]
+            made = [sum(e.facts.block_param_results[i] for i in layout.blocks[s]) / e.activation_split for s in stages]
+            at = [(_dot(alive, kept), _dot(waiting, made)) for alive, waiting in moments]
+            at_peak = max(at, key=sum)
+            return at_peak[0] / (sum(kept) or 1), at_peak[1] / (sum(made) or 1)
+        return dict(microbatches_in_flight=lambda e: peak(e)[0], weight_halves_waiting=lambda e: peak(e)[1])
 
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
                            holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r),
-                           microbatches_in_flight=in_flight(r)) for r in range(degree)]
+                           **held(r)) for r in range(degree)]
     estimate.blocks = estimate.ranks[0]["blocks"]
     rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
     estimate.bubble = (degree - 1) / (rounds + degree - 1)
@@ -224,13 +235,59 @@ def estimate_costs(estimate, plugin_config, plan):
     def stream(e) -> float:  # bytes of one micro-batch's residual stream on this rank
         return e.facts.block_input * e.microbatch_tokens / e.stream_split
 
-    # torch's stages receive into buffers of their own, one per micro-batch, made once and kept: activations
-    # into every stage but the first, gradients into every stage but the last.
-    estimate.add_memory("buffers", lambda e: (2 * chunks - e.holds_inputs - e.holds_outputs) * microbatches * stream(e),
-                        "pipeline receive buffers", "pp")
+    # Per micro-batch, each stage sends its output to the next stage and its input's gradient to the previous one,
+    # and receives into buffers of its own, made once and kept: one per micro-batch from each neighbouring stage
+    # on another rank (a V's middle rank holds two neighbours, which pass tensors in memory).
+    remote = [sum(n not in layout.stages_of(r) for s in layout.stages_of(r) for n in (s - 1, s + 1) if 0 <= n <= last)
+              for r in range(degree)]
+    estimate.add_memory("buffers", lambda e: remote[e.rank] * microbatches * stream(e), "pipeline receive buffers",
+                        "pp")
+    # Each stage but the first keeps its inputs' gradient of every micro-batch until the next step clears them.
+    fed = [sum(s > 0 for s in layout.stages_of(r)) for r in range(degree)]
+    estimate.add_memory("activations", lambda e: fed[e.rank] * microbatches * stream(e),
+                        "received activations' gradients", "pp")
     estimate.add_collective("residual stream between stages", (PP,),
-                            lambda e: 2 * chunks * stream(e) * e.microbatches_per_step(), overlapped=False, plugin="pp",
-                            calls=lambda e: 2 * chunks * e.microbatches_per_step())
+                            lambda e: remote[e.rank] * stream(e) * e.microbatches_per_step(), overlapped=False,
+                            plugin="pp", calls=lambda e: 2 * remote[e.rank] * e.microbatches_per_step())
+
+
+def torch_order(schedule: str, layout: Layout, rank: int) -> list:
+    """The actions torch's schedule runs on pipeline rank ``rank``, in order, as its constructor computes them:
+    from the pipeline's sizes alone, so the planner needs no stage."""
+    rounds = max(1, layout.microbatches // layout.degree)
+    sizes = SimpleNamespace(pp_group_size=layout.degree, n_local_stages=layout.stages_per_rank,
+                            num_stages=layout.num_stages, _n_microbatches=layout.microbatches,
+                            microbatches_per_round=layout.microbatches // rounds)
+    return schedules.get_schedule_class(schedule)._calculate_single_rank_operations(sizes, rank)
+
+
+def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """At the end of each backward of ``order`` (a stage micro-batch's whole backward or input half; the first
+    stage's weight half, which runs its whole backward), per stage of ``stages``: the micro-batches whose
+    activations are kept, that one included, and those keeping the gradients their weight half needs (their
+    input half ran, that one's included; a stage's but the first's, whose input half does nothing)."""
+    kept, waiting, moments = [0] * len(stages), [0] * len(stages), []
+    for action in (sub for action in order if action is not None for sub in (action.sub_actions or [action])):
+        kind, first, local = action.computation_type, action.stage_index == 0, stages.index(action.stage_index)
+        if kind == schedules.FORWARD:
+            kept[local] += 1
+        elif kind == schedules.FULL_BACKWARD or (kind == schedules.BACKWARD_WEIGHT and first):
+            moments.append((tuple(kept), tuple(waiting)))
+            kept[local] -= 1
+        elif kind == schedules.BACKWARD_INPUT and not first:
+            waiting[local] += 1
+            moments.append((tuple(kept), tuple(waiting)))
+        elif kind == schedules.BACKWARD_WEIGHT:
+            kept[local] -= 1
+            waiting[local] -= 1
+    # The peak is at a moment no other moment holds at least as much of everything as: the planner weighs only those.
+    counts = [kept + waiting for kept, waiting in set(moments)]
+    return [(c[:len(stages)], c[len(stages):]) for c in counts
+            if not any(other != c and all(o >= m for o, m in zip(other, c)) for other in counts)]
+
+
+def _dot(counts: list[int], per_stage: list[float]) -> float:
+    return sum(count * each for count, each in zip(counts, per_stage))
 
 
 @hookimpl
