@@ -86,7 +86,8 @@ def report(result: Estimate) -> str:
         for term_category, what, nbytes, plugin, when in result.memory_terms:
             if term_category == category:
                 moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)",
-                          "end": " (after the blocks' backward)"}.get(when, "")
+                          "end": " (after the blocks' backward)",
+                          "accumulated": " (as the gradients accumulate)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}{moment}")
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len

@@ -65,7 +65,9 @@ class Estimate:
     sequence parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once, in units
     of all this rank's blocks, a number or a function of the estimate: pipeline schedules),
     ``weight_halves_waiting`` (of those, the ones whose backward ran its input half and keeps the gradients its
-    weight half needs, in the same units: zero-bubble schedules), ``logits_tokens`` (tokens whose logits exist at once, None: a micro-batch's; a loss
+    weight half needs, in the same units: zero-bubble schedules), both at the rank's worst backward once earlier
+    micro-batches' gradients exist, and ``first_backward`` (the two at the rank's first backward of a step, before
+    any gradient exists, when it keeps more: a pipeline's warm-up; None: none does), ``logits_tokens`` (tokens whose logits exist at once, None: a micro-batch's; a loss
     that computes them chunk by chunk keeps none from forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
@@ -107,6 +109,7 @@ class Estimate:
     outer_split: int = 1
     microbatches_in_flight: float | Callable[[Estimate], float] = 1
     weight_halves_waiting: float | Callable[[Estimate], float] = 0
+    first_backward: tuple[float, float] | Callable[[Estimate], tuple[float, float]] | None = None
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     recomputed_fraction: float = 0.0
@@ -141,16 +144,17 @@ class Estimate:
 
     def add_memory(self, category: str, nbytes, what: str, plugin: str, when: str | None = None) -> None:
         """Memory this plugin alone holds (``buffers`` for communication buffers): throughout the step, or only
-        ``when`` it is ``"start"`` (as backward starts), ``"blocks"`` (while the blocks run backward and after) or
-        ``"end"`` (after the blocks' backward: the embeddings', every gradient made), the moments :meth:`memory`
-        weighs for the peak.
+        ``when`` it is ``"start"`` (as backward starts), ``"blocks"`` (while the blocks run backward and after),
+        ``"end"`` (after the blocks' backward: the embeddings', every gradient made) or ``"accumulated"`` (growing
+        as the gradients are made and kept across micro-batches: none before the step's first backward), the
+        moments :meth:`memory` weighs for the peak.
 
         ``nbytes`` may be a function of the estimate, called when it is summed: it then sees the fields as every
         plugin left them (the dtype FSDP computes in, the blocks each pipeline rank holds)."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
-        if when not in (None, "start", "blocks", "end"):
-            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks' or 'end'")
+        if when not in (None, "start", "blocks", "end", "accumulated"):
+            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end' or 'accumulated'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
     def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,
@@ -226,18 +230,31 @@ class Estimate:
         return self.microbatches_per_step() > 1
 
     def memory(self) -> dict[str, float]:
-        """Bytes per category at the step's peak, found by walking the last micro-batch's backward.
+        """Bytes per category at the step's peak: the most of a backward once the earlier micro-batches'
+        gradients exist (the last one's) and, when ``first_backward`` says the rank's first backward of a step
+        keeps more micro-batches, of that one, before any gradient exists (unless an earlier accumulation step
+        made them)."""
+        moments = [(evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self),
+                     self.gradients_at_peak())]
+        if self.first_backward is not None:
+            first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
+            moments.append((*first, self.grad_accum > 1))
+        return max((self._backward_peak(*moment) for moment in moments), key=lambda memory: sum(memory.values()))
+
+    def _backward_peak(self, in_flight: float, waiting: float, accumulated: bool) -> dict[str, float]:
+        """Bytes per category at the peak of one micro-batch's backward, with ``in_flight`` micro-batches'
+        activations kept and ``waiting`` weight halves, every gradient existing throughout if ``accumulated``.
 
         As backward starts, every block keeps its activations and the loss and outputs make their gradients (the
         logits'). Then block by block, last first: the blocks before it still keep theirs, it recomputes what it
         did not keep and holds its output's gradient and what its backward makes (measured by the trace), and
-        the blocks after it have made their weights' gradients.
+        the blocks after it have made their weights' gradients. Terms added ``when="accumulated"`` grow as the
+        gradients do.
         """
         facts, tokens = self.facts, self.microbatch_tokens
         shards = self.weight_split * self.state_shards
         state = self.held_params() / shards
-        others = tokens * ((evaluated(self.microbatches_in_flight, self) - 1) * self.kept_per_token()
-                           + evaluated(self.weight_halves_waiting, self) * self.param_results_per_token())
+        others = tokens * ((in_flight - 1) * self.kept_per_token() + waiting * self.param_results_per_token())
         kept = [tokens * self.kept(i) for i in self.blocks]
         outer = tokens * self.outer_kept()
         if not self.holds_outputs:
@@ -249,10 +266,11 @@ class Estimate:
         trained = self.trained_share
         all_gradients = 4 * state * trained
         made = 4 * trained * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # blocks' come later
-        start, blocks, end = ({category: 0.0 for category in CATEGORIES} for _ in range(3))
+        start, blocks, end, grown = ({category: 0.0 for category in CATEGORIES} for _ in range(4))
         memory = {category: 0.0 for category in CATEGORIES}
         for category, _, nbytes, _, when in self.memory_terms:
-            {"start": start, "blocks": blocks, "end": end, None: memory}[when][category] += evaluated(nbytes, self)
+            {"start": start, "blocks": blocks, "end": end, "accumulated": grown, None: memory}[when][category] += \
+                evaluated(nbytes, self)
         # (activations, gradients, this moment's own terms)
         phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
         for position in reversed(range(len(self.blocks))):
@@ -264,8 +282,10 @@ class Estimate:
             phases.append((others + sum(kept[:position + 1]) + tokens * working, made, blocks))
             made += 4 * trained * facts.block_params[i] / shards
         phases.append((others, all_gradients, {category: blocks[category] + end[category] for category in CATEGORIES}))
-        if self.gradients_at_peak():
+        if accumulated:
             phases = [(activations, all_gradients, own) for activations, _, own in phases]
+        phases = [(activations, gradients, {category: own[category] + grown[category] * gradients / (all_gradients or 1)
+                                            for category in CATEGORIES}) for activations, gradients, own in phases]
         activations, gradients, own = max(phases, key=lambda phase: phase[0] + phase[1] + sum(phase[2].values()))
         memory["parameters"] += 4 * state
         memory["gradients"] += gradients

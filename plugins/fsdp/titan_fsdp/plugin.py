@@ -184,12 +184,14 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.add_memory("buffers", lambda e: e.held_gathered() * gathered_bytes(e),
                             "weights gathered for the whole step (pipeline)", "fsdp")
         estimate.add_memory("buffers", lambda e: e.held_gathered() * reduce_bytes,
-                            "gradients accumulated whole until the last micro-batch (pipeline)", "fsdp")
+                            "gradients accumulated whole until the last micro-batch (pipeline)", "fsdp",
+                            when="accumulated")
         return
     if reductions < micro:
         # Reduced in the last micro-batch only: until then each parameter's gradient accumulates whole.
         estimate.add_memory("buffers", lambda e: e.held_gathered() * reduce_bytes,
-                            "gradients accumulated whole until the last micro-batch (reduce_gradients)", "fsdp")
+                            "gradients accumulated whole until the last micro-batch (reduce_gradients)", "fsdp",
+                            when="accumulated")
     # As backward starts, the last block (never resharded) and the output layer's unit are gathered; then the
     # block running backward, the ones prefetched, and the gradients of the one before being reduced.
     estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() + e.facts.outputs_params * e.holds_outputs

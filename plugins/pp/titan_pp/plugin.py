@@ -208,22 +208,31 @@ def estimate_costs(estimate, plugin_config, plan):
     last = layout.num_stages - 1
 
     def held(rank: int) -> dict:
-        """The fields saying how many micro-batches rank ``rank`` keeps at its memory's peak, in units of all its
-        blocks: for several stages a rank, as torch's order of its actions has them."""
-        if plugin_config.schedule in ("GPipe", "LoopedBFS"):
-            return dict(microbatches_in_flight=microbatches)
-        if not kind.looped:
-            return dict(microbatches_in_flight=min(microbatches, degree - rank))
+        """The fields saying how many micro-batches rank ``rank`` keeps at its first backward of a step and at
+        its worst later one, in units of all its blocks: for several stages a rank, as torch's order of its
+        actions has them."""
+        if microbatches == 1:
+            return {}
+        if not kind.looped or plugin_config.schedule == "LoopedBFS":
+            # GPipe and LoopedBFS run every forward first; 1F1B's warm-up keeps one more than its steady state
+            # only when the warm-up is all there is.
+            first = microbatches if plugin_config.schedule in ("GPipe", "LoopedBFS") else min(microbatches, degree - rank)
+            return dict(first_backward=(first, 0), microbatches_in_flight=min(first, microbatches - 1 / chunks))
         stages = layout.stages_of(rank)
-        moments = backward_moments(torch_order(plugin_config.schedule, layout, rank), stages)
+        first, *later = backward_moments(torch_order(plugin_config.schedule, layout, rank), stages)
+        later = _undominated(later)
 
-        def peak(e) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks, at the peak
+        def units(e, moment) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks
             kept = [sum(e.kept(i) for i in layout.blocks[s]) + (s == last) * e.outer_kept() for s in stages]
             made = [sum(e.facts.block_param_results[i] for i in layout.blocks[s]) / e.activation_split for s in stages]
-            at = [(_dot(alive, kept), _dot(waiting, made)) for alive, waiting in moments]
-            at_peak = max(at, key=sum)
-            return at_peak[0] / (sum(kept) or 1), at_peak[1] / (sum(made) or 1)
-        return dict(microbatches_in_flight=lambda e: peak(e)[0], weight_halves_waiting=lambda e: peak(e)[1])
+            alive, waiting = moment
+            return _dot(alive, kept) / (sum(kept) or 1), _dot(waiting, made) / (sum(made) or 1)
+
+        def worst(e) -> tuple[float, float]:
+            e_kept, e_made = e.kept_per_token(), e.param_results_per_token()
+            return max((units(e, moment) for moment in later), key=lambda u: u[0] * e_kept + u[1] * e_made)
+        return dict(first_backward=lambda e: units(e, first), microbatches_in_flight=lambda e: worst(e)[0],
+                    weight_halves_waiting=lambda e: worst(e)[1])
 
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
                            holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r),
@@ -262,8 +271,8 @@ def torch_order(schedule: str, layout: Layout, rank: int) -> list:
 
 
 def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """At the end of each backward of ``order`` (a stage micro-batch's whole backward or input half; the first
-    stage's weight half, which runs its whole backward), per stage of ``stages``: the micro-batches whose
+    """At the end of each backward of ``order``, in order (a stage micro-batch's whole backward or input half;
+    the first stage's weight half, which runs its whole backward), per stage of ``stages``: the micro-batches whose
     activations are kept, that one included, and those keeping the gradients their weight half needs (their
     input half ran, that one's included; a stage's but the first's, whose input half does nothing)."""
     kept, waiting, moments = [0] * len(stages), [0] * len(stages), []
@@ -280,9 +289,14 @@ def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ..
         elif kind == schedules.BACKWARD_WEIGHT:
             kept[local] -= 1
             waiting[local] -= 1
-    # The peak is at a moment no other moment holds at least as much of everything as: the planner weighs only those.
+    return moments
+
+
+def _undominated(moments: list) -> list:
+    """The moments no other moment holds at least as much of everything as: the peak is at one of them."""
     counts = [kept + waiting for kept, waiting in set(moments)]
-    return [(c[:len(stages)], c[len(stages):]) for c in counts
+    size = len(moments[0][0]) if moments else 0
+    return [(c[:size], c[size:]) for c in counts
             if not any(other != c and all(o >= m for o, m in zip(other, c)) for other in counts)]
 
 
