@@ -234,11 +234,12 @@ class Estimate:
         gradients exist (the last one's) and, when ``first_backward`` says the rank's first backward of a step
         keeps more micro-batches, of that one, before any gradient exists (unless an earlier accumulation step
         made them)."""
-        moments = [(evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self),
-                     self.gradients_at_peak())]
+        later = (evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self))
+        moments = [(*later, self.gradients_at_peak())]
         if self.first_backward is not None:
             first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
-            moments.append((*first, self.grad_accum > 1))
+            if first[0] > later[0] or first[1] > later[1]:  # else it keeps no more, and no gradient
+                moments.append((*first, self.grad_accum > 1))
         return max((self._backward_peak(*moment) for moment in moments), key=lambda memory: sum(memory.values()))
 
     def _backward_peak(self, in_flight: float, waiting: float, accumulated: bool) -> dict[str, float]:

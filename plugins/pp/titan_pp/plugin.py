@@ -222,16 +222,19 @@ def estimate_costs(estimate, plugin_config, plan):
         first, *later = backward_moments(torch_order(plugin_config.schedule, layout, rank), stages)
         later = _undominated(later)
 
-        def units(e, moment) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks
-            kept = [sum(e.kept(i) for i in layout.blocks[s]) + (s == last) * e.outer_kept() for s in stages]
-            made = [sum(e.facts.block_param_results[i] for i in layout.blocks[s]) / e.activation_split for s in stages]
+        def per_stage(e) -> tuple[list[float], list[float]]:  # bytes per token kept, and waiting for a W
+            return ([sum(e.kept(i) for i in layout.blocks[s]) + (s == last) * e.outer_kept() for s in stages],
+                    [sum(e.facts.block_param_results[i] for i in layout.blocks[s]) / e.activation_split for s in stages])
+
+        def units(moment, kept, made) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks
             alive, waiting = moment
             return _dot(alive, kept) / (sum(kept) or 1), _dot(waiting, made) / (sum(made) or 1)
 
         def worst(e) -> tuple[float, float]:
-            e_kept, e_made = e.kept_per_token(), e.param_results_per_token()
-            return max((units(e, moment) for moment in later), key=lambda u: u[0] * e_kept + u[1] * e_made)
-        return dict(first_backward=lambda e: units(e, first), microbatches_in_flight=lambda e: worst(e)[0],
+            kept, made = per_stage(e)
+            return max((units(moment, kept, made) for moment in later),
+                       key=lambda u: u[0] * sum(kept) + u[1] * sum(made))
+        return dict(first_backward=lambda e: units(first, *per_stage(e)), microbatches_in_flight=lambda e: worst(e)[0],
                     weight_halves_waiting=lambda e: worst(e)[1])
 
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
