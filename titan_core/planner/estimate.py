@@ -67,8 +67,9 @@ class Estimate:
     ``weight_halves_waiting`` (of those, the ones whose backward ran its input half and keeps the gradients its
     weight half needs, in the same units: zero-bubble schedules), both at the rank's worst backward once earlier
     micro-batches' gradients exist, and ``first_backward`` (the two at the rank's first backward of a step, before
-    any gradient exists, when it keeps more: a pipeline's warm-up; None: none does), ``logits_tokens`` (tokens whose logits exist at once, None: a micro-batch's; a loss
-    that computes them chunk by chunk keeps none from forward and makes one chunk's again in backward),
+    any gradient exists, when it keeps more: a pipeline's warm-up; None: none does), ``logits_tokens`` (tokens
+    whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
+    forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
     block recomputes in backward what it did not keep).
@@ -154,7 +155,8 @@ class Estimate:
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
         if when not in (None, "start", "blocks", "end", "accumulated"):
-            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end' or 'accumulated'")
+            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end' or "
+                             "'accumulated'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
     def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,

@@ -216,15 +216,17 @@ def estimate_costs(estimate, plugin_config, plan):
         if not kind.looped or plugin_config.schedule == "LoopedBFS":
             # GPipe and LoopedBFS run every forward first; 1F1B's warm-up keeps one more than its steady state
             # only when the warm-up is all there is.
-            first = microbatches if plugin_config.schedule in ("GPipe", "LoopedBFS") else min(microbatches, degree - rank)
+            everything_first = plugin_config.schedule in ("GPipe", "LoopedBFS")
+            first = microbatches if everything_first else min(microbatches, degree - rank)
             return dict(first_backward=(first, 0), microbatches_in_flight=min(first, microbatches - 1 / chunks))
         stages = layout.stages_of(rank)
         first, *later = backward_moments(torch_order(plugin_config.schedule, layout, rank), stages)
         later = _undominated(later)
 
         def per_stage(e) -> tuple[list[float], list[float]]:  # bytes per token kept, and waiting for a W
-            return ([sum(e.kept(i) for i in layout.blocks[s]) + (s == last) * e.outer_kept() for s in stages],
-                    [sum(e.facts.block_param_results[i] for i in layout.blocks[s]) / e.activation_split for s in stages])
+            blocks = [layout.blocks[s] for s in stages]
+            return ([sum(map(e.kept, held)) + (s == last) * e.outer_kept() for s, held in zip(stages, blocks)],
+                    [sum(e.facts.block_param_results[i] for i in held) / e.activation_split for held in blocks])
 
         def units(moment, kept, made) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks
             alive, waiting = moment
