@@ -225,8 +225,8 @@ def estimate_costs(estimate, plugin_config, plan):
 
         def per_stage(e) -> tuple[list[float], list[float]]:  # bytes per token kept, and waiting for a W
             blocks = [layout.blocks[s] for s in stages]
-            return ([sum(map(e.kept, held)) + (s == last) * e.outer_kept() for s, held in zip(stages, blocks)],
-                    [sum(e.facts.block_param_results[i] for i in held) / e.activation_split for held in blocks])
+            return ([sum(map(e.kept, ours)) + (s == last) * e.outer_kept() for s, ours in zip(stages, blocks)],
+                    [sum(e.facts.block_param_results[i] for i in ours) / e.activation_split for ours in blocks])
 
         def units(moment, kept, made) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks
             alive, waiting = moment
