@@ -77,8 +77,9 @@ def family_defaults(family: str) -> tuple[dict, set[str]]:
     options some preset leaves null (null is meaningful there)."""
     merged: dict = {}
     nullable = set()
-    for preset in sorted(option_files("model")):
-        options = _load(option_files("model")[preset])
+    presets = option_files("model")  # each call reads every distribution's metadata
+    for preset in sorted(presets):
+        options = _load(presets[preset])
         if options.get("name") == family:
             for key, value in options.items():
                 if merged.get(key) is None:
