@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 from titan_core.data import load_tokenizer, tokenizer_file
 from titan_core.errors import ConfigError
+from titan_core.forked_jobs import ForkedJobs, fresh_interpreter
 from titan_core.initialization import init_weights
 from titan_core.launch.prepare import prepare
 from titan_core.launch.cluster import job_nodes
@@ -50,6 +51,9 @@ TINY = ("model=tiny", "tokenizer.path=bytes", "training.seq_len=32", "training.g
         "training.steps=5", "optimizer.lr=1e-3", "optimizer.weight_decay=0.0", "lr_scheduler.warmup_steps=1",
         "metrics.log_every=1", "metrics.tensorboard=false", "metrics.peak_tflops=1", "testing.save_final_weights=true",
         "launch.device=cpu")  # gloo on the CPU on any machine: the parity references are CPU runs
+
+
+_FORKED_JOBS = ForkedJobs()
 
 
 @dataclass
@@ -96,10 +100,13 @@ def merged(*groups) -> list[str]:
 
 def run_job(overrides, run_dir: Path, *, expect_success: bool = True, env: dict | None = None,
             timeout: float = 900) -> JobResult:
-    """Run ``python -m titan_core.run`` with ``overrides`` writing into ``run_dir``."""
-    command = [sys.executable, "-m", "titan_core.run", *merged(overrides), f"hydra.run.dir={run_dir}"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                               env={**os.environ, **(env or {})})
+    """Run ``python -m titan_core.run`` with ``overrides`` writing into ``run_dir``: forked from an interpreter
+    that has imported torch once (:mod:`titan_core.forked_jobs`), or its own with ``TITAN_FRESH_INTERPRETER=1``."""
+    arguments = [*merged(overrides), f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, "-m", "titan_core.run", *arguments]
+    environment = {**os.environ, **(env or {})}
+    completed = (subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
+                 if fresh_interpreter() else _FORKED_JOBS.run(arguments, environment, timeout))
     result = JobResult(Path(run_dir), completed.returncode, completed.stdout, completed.stderr)
     if expect_success and completed.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {completed.returncode}\n"
