@@ -14,6 +14,7 @@ job as its own interpreter instead.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -27,6 +28,8 @@ from pathlib import Path
 __all__ = ["ForkedJobs", "fresh_interpreter"]
 
 FRESH = "TITAN_FRESH_INTERPRETER"
+# What a job imports before its first step, which forked children share.
+PRELOADED = ("titan_core.launch.main", "torch._dynamo", "datasets")
 
 
 def fresh_interpreter() -> bool:
@@ -78,11 +81,8 @@ def _serve() -> None:
     with tempfile.TemporaryFile("w+") as imports_said:
         saved = os.dup(2)
         os.dup2(imports_said.fileno(), 2)
-        # What every job imports before its first line: forked children share it.
-        import datasets  # noqa: F401
-        import torch._dynamo  # noqa: F401
-
-        import titan_core.launch.main  # noqa: F401
+        for module in PRELOADED:
+            importlib.import_module(module)
         sys.stderr.flush()
         os.dup2(saved, 2)
         imports_said.seek(0)
