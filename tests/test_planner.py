@@ -197,9 +197,8 @@ def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
     overrides = ("launch.device=cpu", "+plugins=[pp]", "plugins.pp.degree=2", f"plugins.pp.schedule={schedule}",
                  "plugins.pp.microbatches=4")
     *_, result = _estimate(*overrides)
-    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            tracked_rank.__file__, str(tmp_path), *SMALL, *overrides], timeout=300,
-                           capture_output=True, text=True)
+    ranks = subprocess.run([sys.executable, tracked_rank.__file__, "2", str(tmp_path), *SMALL, *overrides],
+                           timeout=300, capture_output=True, text=True)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     for rank, estimated in enumerate(result.each_rank()):
         predicted = estimated.memory()
@@ -232,8 +231,7 @@ def test_each_ci_stack_matches_torchs_tracker_on_every_rank(row, tmp_path):
     overrides = ("tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8", "launch.device=cpu",
                  *ci_stacks.matrix.overrides(row))
     config, registry, plan, result = _estimate(*overrides)
-    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={plan.world_size}", tracked_rank.__file__, str(tmp_path), *overrides],
+    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(plan.world_size), str(tmp_path), *overrides],
                            timeout=600, capture_output=True, text=True)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     low, high = next((bound for label, bound in STACK_BOUNDS.items() if label in _stack_name(row)), (-0.05, 0.05))

@@ -1,18 +1,23 @@
 """Peak memory by torch's memory tracker over one real training step of a plan, on one rank.
 
 Imported by tests/test_planner.py, which runs it in its own process under a fake process group (rank 0 of any
-plan; the other ranks' collectives move nothing but make their results at full size). Run by torchrun as a
-script, each rank of a real gloo world tracks its own step and writes ``<out>/rank<r>.json``: the way to track
-plans whose ranks exchange what a fake group cannot make up (a pipeline's stages send each other activations).
+plan; the other ranks' collectives move nothing but make their results at full size). Run as a script, it
+forks the N ranks of a real gloo world, each of which tracks its own step and writes ``<out>/rank<r>.json``: the
+way to track plans whose ranks exchange what a fake group cannot make up (a pipeline's stages send each other
+activations). Forked, the ranks share this process's imports (torchrun started each as a new interpreter, about
+8 s of a core).
 
-    python -m torch.distributed.run --standalone --nproc-per-node=N tests/tracked_rank.py OUT OVERRIDE...
+    python tests/tracked_rank.py N OUT OVERRIDE...
 """
 
 import contextlib
 import gc
+import importlib
 import itertools
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -144,9 +149,10 @@ def _alive_tensors() -> dict[int, torch.Tensor]:
     return {id(o): o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)}
 
 
-def main(out: Path, overrides: list[str]) -> None:
+def main(out: Path, overrides: list[str], rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", store=dist.FileStore(str(out / "store"), world_size), rank=rank,
+                            world_size=world_size)
     try:
         config = compose(*overrides)
         registry = Registry(config)
@@ -157,5 +163,27 @@ def main(out: Path, overrides: list[str]) -> None:
         dist.destroy_process_group()
 
 
+def fork_ranks(world_size: int, out: Path, overrides: list[str]) -> int:
+    """Run ``main`` in ``world_size`` forked ranks; the exit code: 1 if any rank failed."""
+    importlib.import_module("torch._dynamo")  # imported at a model's first initialisation: once, for every rank
+    children = []
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+            code = 0
+            try:
+                main(out, overrides, rank, world_size)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # the parent's atexit handlers are not this rank's
+        children.append(pid)
+    return int(any(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    sys.exit(fork_ranks(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]))

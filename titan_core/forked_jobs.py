@@ -6,8 +6,9 @@ core's suite, hundreds). The parity harness (:func:`titan_core.testing.run_job`)
 per test process, which has made those imports once: for each job it forks a child that takes the job's
 environment, search path, working directory and output files, and runs ``titan_core.run`` as ``python -m``
 would, to the interpreter's normal exit. Whatever the imports printed is printed again at the start of each
-job's output, so a test of a quiet start still sees it. Set ``TITAN_FRESH_INTERPRETER=1`` to start every
-job as its own interpreter instead.
+job's output, so a test of a quiet start still sees it. A setting a library reads from the environment as it
+is imported (``TORCHINDUCTOR_*``, ``HF_HUB_OFFLINE``) has the server's value, the test process's at its first
+job. Set ``TITAN_FRESH_INTERPRETER=1`` to start every job as its own interpreter instead.
 
     python -m titan_core.forked_jobs   (reads one JSON request a line on stdin, answers on stdout)
 """
@@ -106,7 +107,7 @@ def _python_path(env) -> list[str]:
 def _become_job(request: dict, said: str, base_path: list[str]) -> None:
     """This child as ``python -m titan_core.run`` started with the request's environment and files."""
     os.setpgid(0, 0)  # its own group, so that a timeout kills the workers with it
-    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # SIGPIPE stays ignored, as Python starts
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
