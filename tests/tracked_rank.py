@@ -16,6 +16,7 @@ import importlib
 import itertools
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -164,7 +165,8 @@ def main(out: Path, overrides: list[str], rank: int, world_size: int) -> None:
 
 
 def fork_ranks(world_size: int, out: Path, overrides: list[str]) -> int:
-    """Run ``main`` in ``world_size`` forked ranks; the exit code: 1 if any rank failed."""
+    """Run ``main`` in ``world_size`` forked ranks; the exit code: 1 if any rank failed (the others, which would
+    wait for it in a collective, are then stopped)."""
     importlib.import_module("torch._dynamo")  # imported at a model's first initialisation: once, for every rank
     children = []
     for rank in range(world_size):
@@ -182,7 +184,14 @@ def fork_ranks(world_size: int, out: Path, overrides: list[str]) -> int:
                 sys.stderr.flush()
                 os._exit(code)  # the parent's atexit handlers are not this rank's
         children.append(pid)
-    return int(any(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children))
+    while children:
+        pid, status = os.wait()
+        children.remove(pid)
+        if os.waitstatus_to_exitcode(status) != 0:
+            for other in children:
+                os.kill(other, signal.SIGKILL)
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
