@@ -30,12 +30,19 @@ log = logging.getLogger("titan_core")
 DAMAGED = ("stop", "skip")  # what a run does with prepared tokens that are not what prepare wrote
 
 __all__ = ["Prefetcher", "check_data", "check_documents", "document_opener", "every_nth", "load_tokenizer",
-           "shared_tokenizer", "special_tokens", "tokenizer_file", "training_loader", "validation_batches"]
+           "reads_text", "shared_tokenizer", "special_tokens", "tokenizer_file", "training_loader",
+           "validation_batches"]
 
 
 def holds_out(config) -> bool:
     """Whether validation takes its data out of the training data (rather than reading its own)."""
     return config.validation.every > 0 and config.validation.source is None
+
+
+def reads_text(config) -> bool:
+    """Whether the job reads documents as text (training data, or validation's own), not only prepared tokens."""
+    validation = config.validation
+    return config.data.source != "tokens" or (bool(validation.every) and validation.source not in (None, "tokens"))
 
 
 def token_sources(section) -> list[tuple[str, str, float]]:

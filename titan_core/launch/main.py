@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from titan_core.data import reads_text
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
 from titan_core.job.command_line import check_command_line, register_with_hydra
 from titan_core.job.model_folder import apply_model_folder
@@ -75,6 +76,9 @@ def _exit_if_stopped(stopped) -> None:
     if stopped is not None:
         sys.exit(exit_code(stopped))
 
+# Modules a worker imports once it runs, whichever plugins it has (see _worker_imports).
+WORKER_IMPORTS = ("torch._dynamo", "datasets")
+
 
 def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None:
     """Start this node's share of ``world_size`` workers with torch's elastic agent.
@@ -122,9 +126,8 @@ def _worker_imports(config) -> list[str]:
     """What each worker would import by itself once started, imported once before the workers fork from it:
     torch's compiler, which torch imports at the first initialisation of a parameter (1.8 s of a core per
     worker, measured), and the datasets library when the job reads documents as text (2.6 s)."""
-    validation = config.validation
-    reads_text = config.data.source != "tokens" or bool(validation.every) and validation.source not in (None, "tokens")
-    return ["torch._dynamo", *(["datasets"] if reads_text else [])]
+    compiler, text_reader = WORKER_IMPORTS
+    return [compiler, *([text_reader] if reads_text(config) else [])]
 
 
 def _start_method(launch) -> str:
