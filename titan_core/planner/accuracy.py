@@ -31,9 +31,9 @@ class ErrorBand:
                 f"{self.speed_worst:+.0%}")
 
 
-# bench/planner_vs_seeds.py, 2026-11-27: published runs per card (each card's efficiency set from one or two of
+# bench/planner_vs_seeds.py, 2026-11-28: published runs per card (each card's efficiency set from one or two of
 # them, named in titan_core/planner/hardware.py).
-_H100 = ErrorBand("20 published Llama 3 runs on H100s, bench/planner_vs_seeds.py", 0.165, -0.399, 0.101, 0.305)
+_H100 = ErrorBand("20 published Llama 3 runs on H100s, bench/planner_vs_seeds.py", 0.144, -0.233, 0.094, 0.279)
 _BY_PROFILE = {
     **{name: _H100 for name in ("h100_sxm", "h100_sxm_96gb", "h100_pcie", "h100_nvl")},
     "h200": ErrorBand("2 published Llama 3 runs on H200s, bench/planner_vs_seeds.py", 0.221, 0.223, 0.169, -0.176),
@@ -44,8 +44,8 @@ _BY_PROFILE = {
 }
 _BY_DEVICE_TYPE = {
     # Any other GPU: every published row of every card.
-    "cuda": ErrorBand("29 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.147, -0.399,
-                      0.095, 0.305),
+    "cuda": ErrorBand("29 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.131, -0.233,
+                      0.090, 0.279),
     # tests/test_planner.py's 35 plans and pipeline ranks against torch's memory tracker (docs/planner.md), and
     # the 8 step-time ratios of bench/parallel_step_time.py.
     "cpu": ErrorBand("35 plans tracked on this CPU and 8 step-time ratios, docs/planner.md", 0.012, 0.041, 0.14,
