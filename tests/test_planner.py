@@ -490,6 +490,54 @@ def test_an_outsiders_deferred_weight_gradients_keep_what_their_weight_half_need
     assert "buffers 4.00 KiB" in " ".join(text.split())  # the model's buffers; the whole copy not yet made
 
 
+# A plugin written from docs/writing-plugins.md that changes what a pipeline sets per rank, knowing no pipeline.
+OFFLOAD = '''
+from titan_core import hookimpl
+from titan_core.planner.estimate import evaluated
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """offload: at most `keep` micro-batches' activations stay on the device, the rest go to host memory."""
+    keep, in_flight, first = plugin_config.keep, estimate.microbatches_in_flight, estimate.first_backward
+
+    def first_backward(e):
+        kept = first(e) if callable(first) else first
+        return None if kept is None else (min(keep, kept[0]), kept[1])
+    estimate.microbatches_in_flight = lambda e: min(keep, evaluated(in_flight, e))
+    estimate.first_backward = first_backward
+'''
+
+
+def test_an_outsiders_change_to_a_per_rank_field_reaches_every_rank(tmp_path):
+    """A plugin after pp caps the micro-batches in flight, which 1F1B makes 4, 3, 2, 1 on its four ranks: the plan
+    prints the most loaded rank with at most 2 kept. When pp gave those in Estimate.ranks, each rank's own value
+    replaced the wrapped one and the plan printed the same memory with the plugin as without it. A plugin giving
+    anything but what a rank holds in Estimate.ranks is refused."""
+    env = install_plugins(tmp_path / "site", {"offload": (OFFLOAD, "keep: 2\n")}, "offload-plugin")
+    pipeline = ("launch.world_size=4", "plugins.pp.degree=4", "plugins.pp.microbatches=8")
+    _, alone = job_estimate(["--hardware", "a100", *SMALL, "+plugins=[pp]", *pipeline])  # as the command has it
+    ranks = alone.each_rank()
+    assert [evaluated(rank.microbatches_in_flight, rank) for rank in ranks] == [4, 3, 2, 1]
+    # 1F1B's warm-up keeps 4 - rank micro-batches at the rank's first backward.
+    capped = [dataclasses.replace(rank, microbatches_in_flight=min(2, evaluated(rank.microbatches_in_flight, rank)),
+                                  first_backward=(min(2, 4 - index), 0)) for index, rank in enumerate(ranks)]
+    heaviest = max(capped, key=lambda rank: sum(rank.memory().values())).memory()
+    assert sum(heaviest.values()) < 0.9 * sum(alone.most_loaded().memory().values())  # more than the rounding
+
+    def printed(text, label):
+        line = next(line for line in text.splitlines() if label in line)
+        number, unit = line.split(label)[1].split()[:2]
+        return float(number) * {"MiB": 2**20, "KiB": 2**10}[unit.rstrip(",")]
+    done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[pp,offload]", *pipeline, env=env)
+    assert done.returncode == 0, done.stderr
+    assert printed(done.stdout, "at its peak:") == pytest.approx(sum(heaviest.values()), abs=0.006 * 2**20)
+    assert printed(done.stdout, "    activations") == pytest.approx(heaviest["activations"], abs=0.006 * 2**20)
+    wrong = dataclasses.replace(alone, ranks=[{**fields, "microbatches_in_flight": 1} for fields in alone.ranks])
+    with pytest.raises(ValueError, match="not 'microbatches_in_flight': give microbatches_in_flight as a function"):
+        wrong.each_rank()
+
+
 MOMENTUM = '''
 import torch
 from titan_core import hookimpl
@@ -608,16 +656,15 @@ def test_a_hardware_file_is_a_profile(tmp_path):
 def test_a_pipeline_rank_holds_the_output_or_the_most_micro_batches():
     *_, result = _estimate("+plugins=[pp]", "plugins.pp.degree=2", "plugins.pp.microbatches=4")
     first, last = ({**fields, "blocks": len(fields["blocks"])} for fields in result.ranks)
-    # 1F1B: as many at the first backward as the stages from this one on, and later while micro-batches remain.
-    assert first == {"blocks": 2, "holds_inputs": True, "holds_outputs": False, "microbatches_in_flight": 2,
-                     "first_backward": (2, 0)}
-    assert last == {"blocks": 2, "holds_inputs": False, "holds_outputs": True, "microbatches_in_flight": 1,
-                    "first_backward": (1, 0)}
+    assert first == {"blocks": 2, "holds_inputs": True, "holds_outputs": False}
+    assert last == {"blocks": 2, "holds_inputs": False, "holds_outputs": True}
     ranks = result.each_rank()
-    assert [rank.microbatches_in_flight for rank in ranks] == [2, 1]
+    # 1F1B: as many at the first backward as the stages from this one on, and later while micro-batches remain.
+    assert [evaluated(rank.microbatches_in_flight, rank) for rank in ranks] == [2, 1]
+    assert [rank.first_backward(rank) for rank in ranks] == [(2, 0), (1, 0)]
     # Two micro-batches of the first stage's blocks outweigh one of the last's blocks and logits: the first is
     # the most loaded rank, the one the plan command reports.
-    first_kept, last_kept = (rank.microbatches_in_flight * rank.kept_per_token() for rank in ranks)
+    first_kept, last_kept = (evaluated(rank.microbatches_in_flight, rank) * rank.kept_per_token() for rank in ranks)
     assert first_kept > 1.5 * last_kept
     heaviest = result.most_loaded()
     assert heaviest.holds_inputs and not heaviest.holds_outputs

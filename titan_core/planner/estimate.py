@@ -22,6 +22,7 @@ from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+HOLDINGS = ("blocks", "holds_inputs", "holds_outputs")  # the fields an entry of Estimate.ranks may set
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ class Estimate:
     are divided among: expert parallel),
     ``state_shards`` (ranks the parameters, gradients and optimizer states are sharded over: FSDP),
     ``blocks`` (indices of the blocks this rank holds; ``holds_inputs``/``holds_outputs``: whether it runs the
-    embeddings and the output: pipeline stages), ``compute_dtype`` (what activations and gathered weights are
+    embeddings and the output: pipeline stages), ``ranks`` (where ranks differ, one dict per kind of rank of
+    those three fields, which :meth:`each_rank` gives each rank's estimate, its index there as ``rank``; any
+    other field that differs by rank is a function of the estimate reading ``e.rank``, so that later plugins
+    can wrap it), ``compute_dtype`` (what activations and gathered weights are
     in), ``gather_bytes`` (bytes per weight element moved by a weight all-gather, None: ``compute_dtype``'s).
 
     Activations, per micro-batch of ``microbatch_rows`` rows of ``seq_len`` tokens: ``sequence_split`` (ranks
@@ -67,7 +71,8 @@ class Estimate:
     ``weight_halves_waiting`` (of those, the ones whose backward ran its input half and keeps the gradients its
     weight half needs, in the same units: zero-bubble schedules), both at the rank's worst backward once earlier
     micro-batches' gradients exist, and ``first_backward`` (the two at the rank's first backward of a step, before
-    any gradient exists, when it keeps more: a pipeline's warm-up; None: none does), ``logits_tokens`` (tokens
+    any gradient exists, when it keeps more: a pipeline's warm-up; None: none does; each of the three a value or a
+    function of the estimate), ``logits_tokens`` (tokens
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
     forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
@@ -110,7 +115,7 @@ class Estimate:
     outer_split: int = 1
     microbatches_in_flight: float | Callable[[Estimate], float] = 1
     weight_halves_waiting: float | Callable[[Estimate], float] = 0
-    first_backward: tuple[float, float] | Callable[[Estimate], tuple[float, float]] | None = None
+    first_backward: tuple[float, float] | Callable[[Estimate], tuple[float, float] | None] | None = None
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     recomputed_fraction: float = 0.0
@@ -168,6 +173,12 @@ class Estimate:
 
     def each_rank(self) -> list[Estimate]:
         """One estimate per kind of rank in ``ranks``, in their order (this estimate when all ranks are alike)."""
+        for fields in self.ranks:
+            if not set(fields) <= set(HOLDINGS):
+                other = sorted(set(fields) - set(HOLDINGS))[0]
+                raise ValueError(f"Estimate.ranks may say only what a rank holds ({', '.join(HOLDINGS)}), not "
+                                 f"'{other}': give {other} as a function of the estimate reading e.rank, so that "
+                                 f"plugins after yours can change it")
         return [replace(self, ranks=[], rank=index, **fields) for index, fields in enumerate(self.ranks)] or [self]
 
     def most_loaded(self) -> Estimate:
@@ -238,10 +249,9 @@ class Estimate:
         made them)."""
         later = (evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self))
         moments = [(*later, self.gradients_at_peak())]
-        if self.first_backward is not None:
-            first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
-            if first[0] > later[0] or first[1] > later[1]:  # else it keeps no more, and no gradient
-                moments.append((*first, self.grad_accum > 1))
+        first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
+        if first is not None and (first[0] > later[0] or first[1] > later[1]):  # else it keeps no more, no gradient
+            moments.append((*first, self.grad_accum > 1))
         return max((self._backward_peak(*moment) for moment in moments), key=lambda memory: sum(memory.values()))
 
     def _backward_peak(self, in_flight: float, waiting: float, accumulated: bool) -> dict[str, float]:

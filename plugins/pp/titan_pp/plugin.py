@@ -240,9 +240,13 @@ def estimate_costs(estimate, plugin_config, plan):
                     weight_halves_waiting=lambda e: worst(e)[1])
 
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
-                           holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r),
-                           **held(r)) for r in range(degree)]
+                           holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r))
+                      for r in range(degree)]
     estimate.blocks = estimate.ranks[0]["blocks"]
+    # What each rank keeps in flight is a function of the rank, so that a plugin after this one can wrap it.
+    kept = [held(r) for r in range(degree)]
+    for name in ("first_backward", "microbatches_in_flight", "weight_halves_waiting"):
+        setattr(estimate, name, _of_rank(kept, name, getattr(estimate, name)))
     rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
     estimate.bubble = (degree - 1) / (rounds + degree - 1)
 
@@ -263,6 +267,15 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.add_collective("residual stream between stages", (PP,),
                             lambda e: remote[e.rank] * stream(e) * e.microbatches_per_step(), overlapped=False,
                             plugin="pp", calls=lambda e: 2 * remote[e.rank] * e.microbatches_per_step())
+
+
+def _of_rank(values: list[dict], name: str, otherwise):
+    """The field ``name`` of the estimate as a function of its rank: ``values[rank][name]`` (a value or a function of
+    the estimate) where given, else ``otherwise``."""
+    def field(e):
+        value = values[e.rank].get(name, otherwise)
+        return value(e) if callable(value) else value
+    return field
 
 
 def torch_order(schedule: str, layout: Layout, rank: int) -> list:
