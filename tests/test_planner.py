@@ -317,6 +317,28 @@ def test_expert_parallel_gathers_only_its_experts_and_waits_for_the_all_to_all()
     assert ep.collective_calls(all_to_all) == 5 * 4 * ep.microbatches_per_step()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ac, repeated", [((), 0), (("plugins.ac.mode=full",), 4),
+                                          (("plugins.ac.mode=selective_layer", "plugins.ac.every=2"), 2)],
+                         ids=["no-ac", "full", "every-2nd-block"])
+def test_expert_parallel_calls_are_those_its_ranks_issue(ac, repeated, tmp_path):
+    """fsdp 2 x ep 2 on gpt-oss, each rank of a real two-rank world counting what it issues (an all-to-all's sizes
+    come from the other rank, which a fake group cannot make up): every collective call counted, and a
+    checkpointed block's three exchanges made again as it recomputes its forward (uncounted before: 3 per
+    recomputed block and micro-batch fewer than issued)."""
+    overrides = (*SMALL, "model=gpt_oss_tiny", "launch.device=cpu", "launch.world_size=2", "plugins.fsdp.degree=2",
+                 "plugins.ep.degree=2", f"+plugins=[fsdp,ep{',ac' if ac else ''}]", *ac)
+    config, registry, plan, result = _estimate(*overrides)
+    [all_to_all] = [c for c in result.collectives if c.plugin == "ep"]
+    assert result.collective_calls(all_to_all) == (5 * 4 + 3 * repeated) * result.microbatches_per_step()
+    ranks = subprocess.run([sys.executable, tracked_rank.__file__, "2", str(tmp_path), "--calls", *overrides],
+                           timeout=300, capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    for rank in range(2):
+        issued = json.loads((tmp_path / f"rank{rank}.json").read_text())["calls"]
+        assert sum(result.collective_calls(c) for c in result.collectives) == issued, (rank, issued)
+
+
 OUTSIDER = '''
 from titan_core import hookimpl
 

@@ -7,7 +7,10 @@ way to track plans whose ranks exchange what a fake group cannot make up (a pipe
 activations). Forked, the ranks share this process's imports (torchrun started each as a new interpreter, about
 8 s of a core).
 
-    python tests/tracked_rank.py N OUT OVERRIDE...
+    python tests/tracked_rank.py N OUT [--calls] OVERRIDE...
+
+With ``--calls`` each rank writes instead the collectives it issues in its second step (``{"calls": n}``): the
+way to count the calls of collectives whose sizes come from another rank (expert parallel's all-to-all).
 """
 
 import contextlib
@@ -151,6 +154,8 @@ def _alive_tensors() -> dict[int, torch.Tensor]:
 
 
 def main(out: Path, overrides: list[str], rank: int, world_size: int) -> None:
+    calls = overrides[:1] == ["--calls"]
+    overrides = overrides[calls:]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(str(out / "store"), world_size), rank=rank,
                             world_size=world_size)
@@ -158,7 +163,8 @@ def main(out: Path, overrides: list[str], rank: int, world_size: int) -> None:
         config = compose(*overrides)
         registry = Registry(config)
         plan = build_plan(config, registry, dist.get_world_size(), 256)
-        measured = tracked_step(config, registry, plan)
+        measured = ({"calls": collective_calls(config, registry, plan)} if calls
+                    else tracked_step(config, registry, plan))
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(measured))
     finally:
         dist.destroy_process_group()

@@ -222,6 +222,11 @@ class Estimate:
         return self.keep(index, facts.block_saved[index] / self.activation_split,
                          facts.block_input / self.stream_split)
 
+    def recomputes(self, index: int) -> bool:
+        """Whether block ``index`` runs its forward again in backward (it keeps less than it would without
+        activation checkpointing): a plugin whose forward exchanges data pays that exchange again."""
+        return self.kept(index) < self.facts.block_saved[index] / self.activation_split
+
     def kept_per_token(self) -> float:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""
         return sum(self.kept(i) for i in self.blocks) + self.outer_kept()

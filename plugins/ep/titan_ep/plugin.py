@@ -74,18 +74,25 @@ def apply_parallelism(model_parts, mesh, plan):
 @hookimpl
 def estimate_costs(estimate, plan):
     """ep: each rank computes with (and its sharder gathers and reduces) only its slice of each block's experts; per
-    mixture-of-experts block and micro-batch, the token copies travel to their experts' ranks and back, in forward
-    and again in backward (evenly routed, as the planner traces them), and the step waits for them."""
+    mixture-of-experts block and micro-batch, the token copies travel to their experts' ranks and back, in forward,
+    in backward, and in the forward a checkpointed block runs again (evenly routed, as the planner traces them),
+    and the step waits for them."""
     degree = plan.degree(EP)
     estimate.expert_split *= degree
     tp = plan.degree(TP)  # tensor parallel gives each of its ranks a share of a MoE layer's tokens
 
-    def sent(e):  # bytes one rank sends per step: copies out and results back, in forward and in backward
-        copies = sum(e.facts.block_expert_input[i] for i in e.blocks) * e.microbatch_tokens / tp
-        return 4 * copies * e.microbatches_per_step() * (degree - 1) / degree
+    def forwards(e, index: int) -> int:  # a checkpointed block exchanges its copies again to recompute
+        return 2 if e.recomputes(index) else 1
 
-    def calls(e):  # per MoE block and micro-batch: the counts, the copies and the results; backward's two
-        return 5 * sum(1 for i in e.blocks if e.facts.block_expert_params[i]) * e.microbatches_per_step()
+    def experts_blocks(e) -> list[int]:
+        return [i for i in e.blocks if e.facts.block_expert_params[i]]
+
+    def sent(e):  # bytes one rank sends per step: copies out and results back, in each forward and in backward
+        copies = sum((2 * forwards(e, i) + 2) * e.facts.block_expert_input[i] for i in experts_blocks(e))
+        return copies * e.microbatch_tokens / tp * e.microbatches_per_step() * (degree - 1) / degree
+
+    def calls(e):  # per MoE block and micro-batch: each forward's counts, copies and results; backward's two
+        return sum(3 * forwards(e, i) + 2 for i in experts_blocks(e)) * e.microbatches_per_step()
 
     if degree > 1:
         estimate.add_collective("all-to-all of the token copies to their experts and back", (EP,), sent,
