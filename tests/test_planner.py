@@ -352,6 +352,13 @@ def estimate_costs(estimate, plugin_config):
 '''
 
 
+def _printed_bytes(text: str, label: str) -> float:
+    """The size the plan command printed after ``label`` on the first line holding it."""
+    line = next(line for line in text.splitlines() if label in line)
+    number, unit = line.split(label)[1].split()[:2]
+    return float(number) * {"MiB": 2**20, "KiB": 2**10}[unit.rstrip(",")]
+
+
 def _plan_command(*args, env=None):
     import os
 
@@ -458,8 +465,7 @@ def test_an_outsiders_chunked_loss_keeps_one_chunk_of_logits(tmp_path):
     def activations(*extra):
         done = _plan_command("--hardware", "a100", *SMALL, *extra, env=env)
         assert done.returncode == 0, done.stderr
-        line = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["activations"])
-        return float(line.split()[1]) * {"MiB": 2**20, "KiB": 2**10}[line.split()[2]]
+        return _printed_bytes(done.stdout, "    activations")
 
     *_, plain = _estimate()
     plain = dataclasses.replace(plain, hardware=hardware_profile("a100"), compute_dtype=torch.bfloat16)
@@ -494,8 +500,7 @@ def test_an_outsiders_deferred_weight_gradients_keep_what_their_weight_half_need
     def printed(*extra):
         done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[deferredw]", *extra, env=env)
         assert done.returncode == 0, done.stderr
-        line = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["activations"])
-        return float(line.split()[1]) * {"MiB": 2**20, "KiB": 2**10}[line.split()[2]], done.stdout
+        return _printed_bytes(done.stdout, "    activations"), done.stdout
 
     *_, plain = _estimate()
     plain = dataclasses.replace(plain, hardware=hardware_profile("a100"), compute_dtype=torch.bfloat16)
@@ -514,8 +519,7 @@ def test_an_outsiders_deferred_weight_gradients_keep_what_their_weight_half_need
 
 # A plugin written from docs/writing-plugins.md that changes what a pipeline sets per rank, knowing no pipeline.
 OFFLOAD = '''
-from titan_core import hookimpl
-from titan_core.planner.estimate import evaluated
+from titan_core import evaluated, hookimpl
 
 
 @hookimpl
@@ -546,15 +550,10 @@ def test_an_outsiders_change_to_a_per_rank_field_reaches_every_rank(tmp_path):
                                   first_backward=(min(2, 4 - index), 0)) for index, rank in enumerate(ranks)]
     heaviest = max(capped, key=lambda rank: sum(rank.memory().values())).memory()
     assert sum(heaviest.values()) < 0.9 * sum(alone.most_loaded().memory().values())  # more than the rounding
-
-    def printed(text, label):
-        line = next(line for line in text.splitlines() if label in line)
-        number, unit = line.split(label)[1].split()[:2]
-        return float(number) * {"MiB": 2**20, "KiB": 2**10}[unit.rstrip(",")]
     done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[pp,offload]", *pipeline, env=env)
     assert done.returncode == 0, done.stderr
-    assert printed(done.stdout, "at its peak:") == pytest.approx(sum(heaviest.values()), abs=0.006 * 2**20)
-    assert printed(done.stdout, "    activations") == pytest.approx(heaviest["activations"], abs=0.006 * 2**20)
+    assert _printed_bytes(done.stdout, "at its peak:") == pytest.approx(sum(heaviest.values()), abs=0.006 * 2**20)
+    assert _printed_bytes(done.stdout, "    activations") == pytest.approx(heaviest["activations"], abs=0.006 * 2**20)
     wrong = dataclasses.replace(alone, ranks=[{**fields, "microbatches_in_flight": 1} for fields in alone.ranks])
     with pytest.raises(ValueError, match="not 'microbatches_in_flight': give microbatches_in_flight as a function"):
         wrong.each_rank()

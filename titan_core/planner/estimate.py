@@ -222,10 +222,15 @@ class Estimate:
         return self.keep(index, facts.block_saved[index] / self.activation_split,
                          facts.block_input / self.stream_split)
 
+    def recomputed(self, index: int) -> float:
+        """Bytes per token block ``index`` makes again in backward: what it would keep without activation
+        checkpointing, less what it keeps."""
+        return self.facts.block_saved[index] / self.activation_split - self.kept(index)
+
     def recomputes(self, index: int) -> bool:
-        """Whether block ``index`` runs its forward again in backward (it keeps less than it would without
-        activation checkpointing): a plugin whose forward exchanges data pays that exchange again."""
-        return self.kept(index) < self.facts.block_saved[index] / self.activation_split
+        """Whether block ``index`` runs its forward again in backward: a plugin whose forward exchanges data pays
+        that exchange again."""
+        return self.recomputed(index) > 0
 
     def kept_per_token(self) -> float:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""
@@ -293,9 +298,8 @@ class Estimate:
         phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
         for position in reversed(range(len(self.blocks))):
             i = self.blocks[position]
-            recomputed = facts.block_saved[i] / self.activation_split - self.kept(i)
             # Its output's gradient has the stream's shape and split; what its backward makes, the block's.
-            working = (facts.block_input / self.stream_split + recomputed
+            working = (facts.block_input / self.stream_split + self.recomputed(i)
                        + facts.block_backward[i] / self.activation_split)
             phases.append((others + sum(kept[:position + 1]) + tokens * working, made, blocks))
             made += 4 * trained * facts.block_params[i] / shards
