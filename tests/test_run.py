@@ -13,7 +13,6 @@ import torch
 from omegaconf import OmegaConf
 
 from titan_core.initialization import init_weights
-from titan_core.launch.main import _start_method
 from titan_llama3.model import Transformer
 from titan_llama3.plugin import llama_args, describe
 from titan_core.testing import TINY, install_plugins, run_job
@@ -87,14 +86,6 @@ def test_self_launch_writes_per_rank_logs(tmp_path):
         log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
         assert f"[rank{rank}]" in log
     assert "step 5/5" in (tmp_path / "logs" / "rank0.log").read_text()
-
-
-def test_only_one_thread_cpu_workers_fork_from_the_launcher():
-    launch = OmegaConf.create({"device": "cpu", "cpu_threads_per_worker": 1})
-    assert _start_method(launch) == "fork"
-    # A forked child after its parent's OpenMP work hangs computing with several threads; CUDA cannot be forked.
-    assert _start_method(OmegaConf.merge(launch, {"cpu_threads_per_worker": 2})) == "forkserver"
-    assert _start_method(OmegaConf.merge(launch, {"device": "cuda"})) == "forkserver"
 
 
 # Records, once the model is built, whether the worker's SIGHUP and SIGQUIT handlers are the defaults.

@@ -9,7 +9,6 @@ the workers finish their step and save (titan_core.preemption); the launcher the
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
 import multiprocessing
 import os
@@ -32,7 +31,6 @@ from titan_core.launch.cluster import Nodes, job_nodes, workers_per_node
 from titan_core.launch.prepare import prepare
 from titan_core.launch.provenance import write_run_record
 from titan_core.launch.worker import train, worker_main
-from titan_core.mesh import device_kind
 from titan_core.planner.costs import estimate_here
 from titan_core.preemption import exit_code
 
@@ -89,25 +87,21 @@ def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None
     running after ``launch.stop_timeout_s``.
 
     A spawned interpreter imports torch and the training loop anew (~3 s of a core each), so workers are forked
-    from a process that imported them once: CPU workers of one thread each straight from this launcher, which
-    has touched no device (a 2-rank job of five steps costs 17% less than through a server, a 4-rank one 20%);
-    any other job from a server process that initializes no device and no thread pool. This launcher may have
-    asked CUDA about its devices, which a forked child cannot then use, and a child forked after its parent ran
-    a GNU OpenMP parallel region hangs in its own first one unless it computes with one thread.
+    from a server process that imported them once and runs nothing else. Never from this launcher: its agent
+    runs threads (the rendezvous store's among them), and a child forked while one of them held a libc lock
+    hangs at its first use of that lock (measured: a worker stuck in getaddrinfo's resolver lock as it
+    connected to the store, in 1 of 65 four-rank jobs run two at a time). This launcher may also have asked
+    CUDA about its devices, which a forked child cannot then use.
     """
     elastic = run_dir / "elastic" / (f"node{nodes.index}" if nodes.count > 1 else "")
     launch_config = LaunchConfig(
         min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=workers_per_node(world_size, nodes),
         run_id=nodes.run_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rendezvous,
-        max_restarts=config.launch.max_restarts, start_method=_start_method(config.launch),
+        max_restarts=config.launch.max_restarts, start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=str(elastic)), shutdown_timeout=int(config.launch.stop_timeout_s))
     _agent_logs_to(elastic / "agent.log")
-    if launch_config.start_method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload([worker_main.__module__,
-                                                                          *_worker_imports(config)])
-    else:
-        for module in _worker_imports(config):
-            importlib.import_module(module)
+    preload = [worker_main.__module__, *_worker_imports(config)]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     try:
         # The config goes as text: the other nodes' workers must not wait for the first node's config.yaml.
         elastic_launch(launch_config, worker_main)(OmegaConf.to_yaml(config), str(run_dir))
@@ -128,11 +122,6 @@ def _worker_imports(config) -> list[str]:
     worker, measured), and the datasets library when the job reads documents as text (2.6 s)."""
     compiler, text_reader = WORKER_IMPORTS
     return [compiler, *([text_reader] if reads_text(config) else [])]
-
-
-def _start_method(launch) -> str:
-    """How workers start (see launch_workers): forked from here only when nothing forked can hang or fail."""
-    return "fork" if device_kind(launch.device) == "cpu" and launch.cpu_threads_per_worker == 1 else "forkserver"
 
 
 def _agent_logs_to(path: Path) -> None:
