@@ -102,15 +102,18 @@ def test_predicted_peak_matches_torchs_memory_tracker(overrides):
 @pytest.mark.parametrize("overrides", [
     ("model=gpt_oss_tiny",), ("model=deepseek_v3_tiny",), ("model=gpt_oss_tiny", "+plugins=[ac]", "plugins.ac.mode=full"),
 ], ids=["gpt-oss", "deepseek-v3", "gpt-oss-ac-full"])
-def test_a_mixture_of_experts_is_planned_within_10_percent_of_torchs_tracker(overrides):
-    """The core's MoE traced on meta tensors with every expert evenly loaded. The real step routes unevenly and pads
-    each expert's batch to the busiest one's (measured 2.4% to 7.6% more than the plan); leaving out the experts'
-    activations would miss a third."""
+def test_a_mixture_of_experts_is_planned_within_2_percent_of_torchs_tracker_at_the_load_it_ran(overrides):
+    """The core's MoE traced on meta tensors with every expert evenly loaded, then planned at the load the step
+    measured (its experts' rows per copy routed: this CPU's kernel pads every expert's batch to the busiest one's,
+    1.21-1.26 here). Evenly routed, the plan was 2.3% to 6.1% under; leaving out the experts' activations would
+    miss a third."""
     config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
-    predicted = result.memory()
     measured = _tracked_step(config, registry, plan)
-    assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)
-    assert -0.10 < sum(predicted.values()) / measured["Total"] - 1 <= 0.01
+    assert measured["expert_load"] > 1.15  # the term is exercised
+    assert result.memory()["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)
+    uneven = dataclasses.replace(result, expert_load=measured["expert_load"]).memory()
+    assert abs(sum(uneven.values()) / measured["Total"] - 1) < 0.02
+    assert sum(uneven.values()) > sum(result.memory().values())
 
 
 @pytest.mark.parametrize("overrides", [
@@ -214,33 +217,47 @@ def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
 stack_spec = importlib.util.spec_from_file_location("ci_stacks", Path(__file__).with_name("test_stack_matrix.py"))
 ci_stacks = importlib.util.module_from_spec(stack_spec)
 stack_spec.loader.exec_module(ci_stacks)
-# Measured, with the reason: a mixture of experts routes unevenly, so ranks of one role differ (gpt-oss's pipeline
-# rank 1: 1.90 and 1.98 MiB) and the planner prices the even share. Every other stack: within 5%.
-STACK_BOUNDS = {"gpt-oss": (-0.05, 0.12), "pp-DualPipeV": (-0.08, 0.05)}
+# Measured, with the reason. Every other stack: within 5%.
+STACK_BOUNDS = {"pp-DualPipeV": (-0.08, 0.05),
+                # A mixture of experts' pipeline ranks under fsdp, over by up to 12.4% at the load they measured
+                # (11.0% evenly routed): the planner puts FSDP's whole gradients, kept across micro-batches, beside
+                # their shards, where Qwen3-MoE's last stage holds only the whole ones (550 KiB, not 825); gpt-oss's
+                # first stage holds both (counted without the shards it reads 9% under), so the term stays.
+                "moe-pp": (-0.05, 0.13)}
 
 
 def _stack_name(row) -> str:
     return " ".join(label for label, _, _ in row if label != "-")
 
 
+def _bounds(row) -> tuple[float, float]:
+    labels = {label for label, _, _ in row}
+    if labels & ci_stacks.matrix.MODELS_WITH_EXPERTS and any(label.startswith("pp-") for label in labels):
+        labels.add("moe-pp")
+    return next((bound for label, bound in STACK_BOUNDS.items() if label in labels), (-0.05, 0.05))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("row", ci_stacks.SMALL, ids=[_stack_name(row) for row in ci_stacks.SMALL])
 def test_each_ci_stack_matches_torchs_tracker_on_every_rank(row, tmp_path):
-    """Every rank of each CI stack (all the plugins at once, the worker's own step) against its own prediction;
-    the error's sign printed (+: the planner over, the safe side)."""
+    """Every rank of each CI stack (all the plugins at once, the worker's own step) against its own prediction,
+    a mixture of experts planned at the load the rank measured (ranks of one role differ: gpt-oss's pipeline rank
+    1 at 1.90 and 1.98 MiB); the error's sign printed (+: the planner over, the safe side)."""
     overrides = ("tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8", "launch.device=cpu",
                  *ci_stacks.matrix.overrides(row))
     config, registry, plan, result = _estimate(*overrides)
     ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(plan.world_size), str(tmp_path), *overrides],
                            timeout=600, capture_output=True, text=True)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
-    low, high = next((bound for label, bound in STACK_BOUNDS.items() if label in _stack_name(row)), (-0.05, 0.05))
+    low, high = _bounds(row)
     dims = list(plan.mesh_shape)
     inner = math.prod(list(plan.mesh_shape.values())[dims.index("pp") + 1:]) if "pp" in dims else plan.world_size
     for rank in range(plan.world_size):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         estimated = result.each_rank()[rank // inner % len(result.each_rank())]
-        error = sum(estimated.memory().values()) / json.loads((tmp_path / f"rank{rank}.json").read_text())["Total"] - 1
-        print(f"rank {rank}: {error:+.1%}")
+        estimated = dataclasses.replace(estimated, expert_load=max(1.0, measured["expert_load"]))
+        error = sum(estimated.memory().values()) / measured["Total"] - 1
+        print(f"rank {rank}: {error:+.1%} (expert load {measured['expert_load']:.2f})")
         assert low < error < high, (rank, error)
 
 
@@ -315,6 +332,13 @@ def test_expert_parallel_gathers_only_its_experts_and_waits_for_the_all_to_all()
     step_tokens = ep.microbatch_tokens * ep.microbatches_per_step()
     assert evaluated(all_to_all.bytes, ep) == pytest.approx(4 * 4 * copy_bytes * step_tokens / 2)
     assert ep.collective_calls(all_to_all) == 5 * 4 * ep.microbatches_per_step()
+    # Routed unevenly, the busiest rank receives 1.5 times its share: its experts keep, compute and exchange that.
+    uneven = dataclasses.replace(ep, expert_load=1.5)
+    assert facts.block_expert_copies == (2,) * 4 and 0 < facts.block_expert_saved[0] < facts.block_saved[0]
+    assert uneven.memory()["activations"] - ep.memory()["activations"] == pytest.approx(
+        0.5 * ep.microbatch_tokens * sum(facts.block_expert_saved))
+    assert uneven.uneven_expert_flops() == pytest.approx(0.5 * 6 * 2 * experts / ep.plan.model.experts.count * step_tokens)
+    assert evaluated(all_to_all.bytes, uneven) == pytest.approx(1.5 * evaluated(all_to_all.bytes, ep))
 
 
 @pytest.mark.slow
@@ -602,6 +626,10 @@ def test_a_plugin_without_the_hook_is_reported_not_counted():
     (["--recommend-me"], "--recommend-me", "is not an option of the plan command"),
     (["training.global_batch_size=3", "launch.world_size=2", "+plugins=[fsdp]"], "training.global_batch_size",
      "do not split over 2"),
+    (["--expert-load", "0.8", "model=qwen3_moe_tiny"], "--expert-load", "is not a number of 1 or more"),
+    (["--expert-load=lots", "model=qwen3_moe_tiny"], "--expert-load", "is not a number of 1 or more"),
+    (["--expert-load", "1.3"], "--expert-load", "has no experts to route unevenly"),
+    (["--expert-load", "1.3", "--calibrate", "mine.yaml"], "--expert-load", "which --calibrate does not"),
 ])
 def test_bad_input_is_one_line_naming_the_field(args, field, words):
     with pytest.raises(ConfigError) as error:

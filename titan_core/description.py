@@ -94,7 +94,9 @@ class ExpertsLayout:
     many go to each expert, an integer tensor of the module's expert count, and returns their outputs (n, hidden) in
     the same order; each of its parameters has the expert index as its first dimension and no expert's output
     depends on another's tokens. Expert parallel leaves each rank a contiguous slice of the experts (the module then
-    sees its parameters' slice and counts of the same length) and moves the tokens to them and back.
+    sees its parameters' slice and counts of the same length) and moves the tokens to them and back; before each
+    call it sets the module's ``routed`` attribute to the copies this rank routed (the even share of what the call
+    computes, by which the core's experts module measures its load).
 
     The module's parent (``layer``, ``mlp``) is the whole mixture-of-experts sub-layer: entered from the residual
     stream (its first argument, (batch, seq, hidden)), it routes, runs the experts and any shared expert, and

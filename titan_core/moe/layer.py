@@ -169,13 +169,24 @@ class GroupedExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden)) if biased else None
         self.clamped = args.expert_activation == "clamped_swiglu"
         self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
+        # Copies this rank routed to the coming call, when another module moved them here (expert parallel sets
+        # it; None: the call's own tokens); the rows the calls computed and the copies routed to them since the
+        # metrics last read them (ExpertRouting's expert_rank_load_max: what the planner's --expert-load takes).
+        self.routed: int | None = None
+        self.rows_computed = self.copies_routed = 0
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if tokens.is_cuda and tokens.dtype == torch.bfloat16:
-            return self._grouped(tokens, counts)
-        if torch.compiler.is_compiling():
-            return self._gathered(tokens, counts)
-        return self._padded(tokens, counts)
+        grouped = tokens.is_cuda and tokens.dtype == torch.bfloat16
+        if torch.compiler.is_compiling():  # one row per copy, and no host state inside a graph
+            return self._grouped(tokens, counts) if grouped else self._gathered(tokens, counts)
+        if grouped:
+            out, rows = self._grouped(tokens, counts), len(tokens)
+        else:  # every expert's batch padded to the busiest one's
+            out, rows = self._padded(tokens, counts), len(counts) * int(counts.max()) if len(tokens) else 0
+        if torch.is_grad_enabled():  # training's load (an evaluation's is not what the planner plans)
+            self.rows_computed += rows
+            self.copies_routed += len(tokens) if self.routed is None else self.routed
+        return out
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

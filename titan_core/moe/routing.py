@@ -64,10 +64,23 @@ def routing_metrics(model_parts, step, plan, idle_experts: IdleExperts) -> dict:
     load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
     idle_experts.update(counts, sparse, step)
     metrics = {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
-               "idle_experts": int((counts == 0).sum())}
+               "idle_experts": int((counts == 0).sum()), "expert_rank_load_max": busiest_rank_load(model_parts)}
     if args.router_aux_loss_coef:
         metrics["router_aux_loss"] = mean_balance_loss(model_parts, plan.degree(CP) * plan.degree(TP))
     return metrics
+
+
+def busiest_rank_load(model_parts) -> float:
+    """The rows a rank's experts computed per token copy that rank routed to them since the last log (the counts
+    are reset), on the busiest rank: expert parallel's ranks receiving more copies than they send, the padded
+    kernel's padding. 1 when every call computed one row per copy (the compiled kernels). Every rank must call it."""
+    experts = [module.experts for part in model_parts for module in part.modules() if isinstance(module, MoE)]
+    rows, routed = sum(m.rows_computed for m in experts), sum(m.copies_routed for m in experts)
+    for module in experts:
+        module.rows_computed = module.copies_routed = 0
+    busiest = torch.tensor(rows / routed if routed else 0.0, device=next(model_parts[0].buffers()).device)
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    return max(1.0, busiest.item())
 
 
 def mean_balance_loss(model_parts, sharing: int) -> float:

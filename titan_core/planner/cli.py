@@ -1,6 +1,7 @@
 """``python -m titan_core.planner [--hardware NAME|FILE] <the overrides of a run>``: one rank's memory and step
 time for that job on that hardware, before launch and without a device (``--recommend``: the fastest plans that
-fit; ``--calibrate FILE``: this machine's profile from a short run, :mod:`titan_core.planner.calibrate`).
+fit; ``--calibrate FILE``: this machine's profile from a short run, :mod:`titan_core.planner.calibrate`;
+``--expert-load X``: a mixture of experts routed as unevenly as a run that logged ``expert_rank_load_max`` X).
 
 The job is composed and checked exactly as ``python -m titan_core.run`` checks it (same one-line errors),
 except that the devices are the hardware profile's, not this machine's: ``launch.world_size`` (or the
@@ -27,7 +28,7 @@ from titan_core.preemption import exit_code
 DEFAULT_HARDWARE = "h100"
 
 USAGE = ("usage: python -m titan_core.planner [--hardware h100|a100|...|cpu-measured|FILE.yaml] "
-         "[--recommend | --calibrate FILE.yaml] [overrides ...]")
+         "[--recommend | --calibrate FILE.yaml] [--expert-load X] [overrides ...]")
 
 
 class Flags(NamedTuple):
@@ -36,20 +37,27 @@ class Flags(NamedTuple):
     hardware: str | None  # --hardware (None: not given)
     recommend: bool
     calibrate: Path | None  # --calibrate FILE.yaml: the profile to write
+    expert_load: float  # --expert-load X: the busiest rank's expert rows per copy routed (1: even routing)
     overrides: list[str]
 
 
 def split_flags(argv: list[str]) -> Flags:
     """The plan command's options and the remaining arguments (the overrides)."""
-    flags, rest, args = {"hardware": None, "recommend": False, "calibrate": None}, [], iter(argv)
+    flags, rest, args = {"hardware": None, "recommend": False, "calibrate": None, "expert_load": 1.0}, [], iter(argv)
+    examples = {"--hardware": "--hardware h100 (or another profile)", "--calibrate": "--calibrate mydevice.yaml",
+                "--expert-load": "--expert-load 1.3 (the expert_rank_load_max a run of this job logged)"}
     for arg in args:
         name = arg.partition("=")[0]
-        if name in ("--hardware", "--calibrate"):
+        if name in examples:
             value = arg.partition("=")[2] or next(args, None)
             if not value:
-                raise ConfigError(name, "needs a value", "give --hardware h100 (or another profile)"
-                                  if name == "--hardware" else "give --calibrate mydevice.yaml")
-            flags[name[2:]] = value if name == "--hardware" else Path(value)
+                raise ConfigError(name, "needs a value", f"give {examples[name]}")
+            if name == "--hardware":
+                flags["hardware"] = value
+            elif name == "--calibrate":
+                flags["calibrate"] = Path(value)
+            else:
+                flags["expert_load"] = _expert_load(value)
         elif arg == "--recommend":
             flags["recommend"] = True
         elif arg.startswith("-"):
@@ -58,14 +66,29 @@ def split_flags(argv: list[str]) -> Flags:
             rest.append(arg)
     if flags["recommend"] and flags["calibrate"]:
         raise ConfigError("--calibrate", "cannot be given with --recommend", USAGE)
+    if flags["calibrate"] and flags["expert_load"] != 1:
+        raise ConfigError("--expert-load", "plans a job, which --calibrate does not", USAGE)
     return Flags(**flags, overrides=rest)
+
+
+def _expert_load(value: str) -> float:
+    try:
+        load = float(value)
+    except ValueError:
+        load = float("nan")
+    if not load >= 1:  # nan included
+        raise ConfigError("--expert-load", f"'{value}' is not a number of 1 or more: the busiest rank computes at "
+                          "least an even share", "give the expert_rank_load_max a run of this job logged, or 1 "
+                          "(even routing)")
+    return load
 
 
 def job_estimate(argv: list[str], hardware=None):
     """The plan and the :class:`~titan_core.planner.estimate.Estimate` of a command line (``--hardware`` and
     the overrides of a run), or of its overrides on ``hardware`` when given; raises ConfigError on bad input."""
     flags = split_flags(argv)
-    return planned_job(flags.overrides, hardware or hardware_profile(flags.hardware or DEFAULT_HARDWARE))
+    return planned_job(flags.overrides, hardware or hardware_profile(flags.hardware or DEFAULT_HARDWARE),
+                       flags.expert_load)
 
 
 def plan_costs(argv: list[str]) -> str:
@@ -84,7 +107,7 @@ def recommendations(argv: list[str]) -> str:
     flags = split_flags(argv)
     overrides, hardware = flags.overrides, hardware_profile(flags.hardware or DEFAULT_HARDWARE)
     config = composed(overrides)
-    best, tried = recommend(config, hardware, load_tokenizer(config.tokenizer).vocab_size)
+    best, tried = recommend(config, hardware, load_tokenizer(config.tokenizer).vocab_size, flags.expert_load)
     world = config.launch.world_size
     if not best:
         raise ConfigError("launch.world_size", f"none of the {tried} plans of these plugins fits {world} x "

@@ -77,7 +77,9 @@ class Estimate:
     forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
-    block recomputes in backward what it did not keep).
+    block recomputes in backward what it did not keep), ``expert_load`` (rows the busiest rank's experts compute
+    per token copy it routes, 1 when evenly routed: the busiest rank's experts keep and compute that much more;
+    a run logs it as ``expert_rank_load_max``, the plan command takes it as ``--expert-load``).
 
     Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
     ``matmul_speedup`` (float8), ``elementwise_passes`` (times each activation crosses device memory in a
@@ -118,6 +120,7 @@ class Estimate:
     first_backward: tuple[float, float] | Callable[[Estimate], tuple[float, float] | None] | None = None
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
+    expert_load: float = 1.0
     recomputed_fraction: float = 0.0
     matmul_speedup: float = 1.0
     elementwise_passes: float = 4.0
@@ -216,16 +219,31 @@ class Estimate:
         """Tokens of one micro-batch on this rank."""
         return self.microbatch_rows * self.seq_len / self.sequence_split
 
+    def saved(self, index: int) -> float:
+        """Bytes per token block ``index`` would keep on this rank without activation checkpointing: its experts'
+        share grown by ``expert_load``."""
+        facts = self.facts
+        return (facts.block_saved[index] + (self.expert_load - 1) * facts.block_expert_saved[index]) / self.activation_split
+
     def kept(self, index: int) -> float:
         """Bytes per token block ``index`` keeps on this rank until its backward."""
-        facts = self.facts
-        return self.keep(index, facts.block_saved[index] / self.activation_split,
-                         facts.block_input / self.stream_split)
+        return self.keep(index, self.saved(index), self.facts.block_input / self.stream_split)
 
     def recomputed(self, index: int) -> float:
         """Bytes per token block ``index`` makes again in backward: what it would keep without activation
         checkpointing, less what it keeps."""
-        return self.facts.block_saved[index] / self.activation_split - self.kept(index)
+        return self.saved(index) - self.kept(index)
+
+    def uneven_expert_flops(self) -> float:
+        """Training FLOPs per step this rank's experts run beyond their even share (``expert_load``): the busiest
+        rank's, which the others wait for at the exchange."""
+        facts, experts = self.facts, self.plan.model.experts
+        if experts is None or self.expert_load == 1:
+            return 0.0
+        per_token = sum(6 * facts.block_expert_copies[i] * facts.block_expert_params[i] / experts.count
+                        for i in self.blocks)
+        tokens = self.microbatch_tokens * self.microbatches_per_step() / self.activation_split
+        return (self.expert_load - 1) * per_token * tokens
 
     def recomputes(self, index: int) -> bool:
         """Whether block ``index`` runs its forward again in backward: a plugin whose forward exchanges data pays
@@ -347,10 +365,10 @@ class Estimate:
     def step_seconds(self) -> dict[str, float]:
         """Seconds of one optimizer step on one rank, by part, and the total."""
         hardware = self.hardware
-        matmul = (self.step_flops() * (1 + self.recomputed_fraction) / self.matmul_speedup
+        matmul = ((self.step_flops() * (1 + self.recomputed_fraction) + self.uneven_expert_flops()) / self.matmul_speedup
                   + evaluated(self.optimizer_flops, self)) / (hardware.matmul_tflops() * 1e12)
         facts = self.facts
-        produced = (sum(facts.block_saved[i] for i in self.blocks) / self.activation_split
+        produced = (sum(self.saved(i) for i in self.blocks)
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
         tokens = self.microbatch_tokens * self.microbatches_per_step()
         elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)

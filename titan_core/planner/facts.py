@@ -62,7 +62,9 @@ class ModelFacts:
     weight half.
     ``block_expert_params[i]``: the parameters of block ``i``'s experts module (``ModelDescription.experts``; 0 in a
     dense block), ``block_expert_input[i]``: bytes per token of the token copies entering it (what expert parallel
-    sends to the experts' ranks and back).
+    sends to the experts' ranks and back), ``block_expert_copies[i]``: how many copies of each token enter it,
+    ``block_expert_saved[i]``: the part of ``block_saved[i]`` its experts module keeps, all three evenly routed
+    (what grows with uneven routing: ``Estimate.expert_load``).
     """
 
     block_params: tuple[int, ...]
@@ -86,6 +88,8 @@ class ModelFacts:
     parameter_roles: int
     block_expert_params: tuple[int, ...]
     block_expert_input: tuple[float, ...]
+    block_expert_copies: tuple[float, ...]
+    block_expert_saved: tuple[float, ...]
 
     @property
     def params(self) -> int:
@@ -129,6 +133,9 @@ class _Tracer(TorchDispatchMode):
         self.stream_shape: tuple[int, ...] = ()
         self.attention_kv = 0.0
         self.expert_input = [0.0] * n_blocks
+        self.expert_copies = [0.0] * n_blocks
+        self.expert_saved = [0.0] * n_blocks
+        self.in_experts = False  # an experts module runs: what autograd keeps now is theirs
         # Backward: every allocation and free in order, and where each block's backward starts and ends.
         self.timeline: list[tuple[str, int, int]] = []
         self.alive: dict[int, int] = {}  # id of a live storage -> its key
@@ -141,6 +148,8 @@ class _Tracer(TorchDispatchMode):
         if storage._cdata not in self.learned and storage._cdata not in self.saved:
             self.kept_alive.append(tensor)
             self.saved[storage._cdata] = (self.block, storage.nbytes(), tuple(tensor.shape))
+            if self.in_experts:
+                self.expert_saved[self.block] += storage.nbytes() / self.positions
         return tensor
 
     def record(self, name: str, *results: torch.Tensor) -> None:
@@ -162,9 +171,14 @@ class _Tracer(TorchDispatchMode):
         self.block_input = _nbytes(args[0]) / self.positions
         self.stream_shape = tuple(args[0].shape)
 
-    def enter_experts(self, nbytes: int) -> None:
-        """The token copies entering the running block's experts, in bytes."""
+    def enter_experts(self, copies: int, nbytes: int) -> None:
+        """The token copies entering the running block's experts: how many, and their bytes."""
+        self.expert_copies[self.block] += copies / self.positions
         self.expert_input[self.block] += nbytes / self.positions
+        self.in_experts = True
+
+    def leave_experts(self, *_) -> None:
+        self.in_experts = False
 
     def leave(self, module, args, output) -> None:
         self.block = self.counting = None
@@ -252,8 +266,9 @@ def _evenly_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     copies = experts.numel()
     share = -(-copies // moe.num_experts)
     token = torch.arange(moe.num_experts * share, device=x.device) % copies // experts.shape[1]
-    _Tracer.active.enter_experts(copies * x.shape[-1] * x.element_size())  # counted, not made: no op traced
+    _Tracer.active.enter_experts(copies, copies * x.shape[-1] * x.element_size())  # counted, not made: no op traced
     out = moe.experts.batched(x[token].unflatten(0, (moe.num_experts, share))).flatten(0, 1)[:copies]
+    _Tracer.active.leave_experts()
     out = torch.zeros_like(x).index_add(0, token[:copies], out * weights.flatten()[:, None])
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(x)
@@ -293,7 +308,8 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
         block.register_full_backward_hook(functools.partial(tracer.mark, "end", index))
         experts = description.experts_of(block)
         if experts is not None:  # a model's own experts module (the core's runs evenly routed, below)
-            experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(_nbytes(args[0])))
+            experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(len(args[0]), _nbytes(args[0])))
+            experts.register_forward_hook(tracer.leave_experts)
     tokens = torch.zeros(1, tracer.positions, dtype=torch.long, device="meta")
     _Tracer.active = tracer
     try:
@@ -349,7 +365,8 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       parameter_roles=len({parameter_role(description, name, p) for name, p in model.named_parameters()}),
                       block_expert_params=tuple(sum(p.numel() for p in experts.parameters()) if experts is not None else 0
                                                 for experts in map(description.experts_of, blocks)),
-                      block_expert_input=tuple(tracer.expert_input))
+                      block_expert_input=tuple(tracer.expert_input), block_expert_copies=tuple(tracer.expert_copies),
+                      block_expert_saved=tuple(tracer.expert_saved))
 
 
 class OperatorCounter(TorchDispatchMode):

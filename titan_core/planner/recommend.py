@@ -39,8 +39,10 @@ def _value(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def recommend(config, hardware: Hardware, vocab_size: int, top: int = 5) -> tuple[list[Candidate], int]:
-    """The ``top`` fitting plans by predicted tokens/s/device, and how many combinations were tried."""
+def recommend(config, hardware: Hardware, vocab_size: int, expert_load: float = 1.0,
+              top: int = 5) -> tuple[list[Candidate], int]:
+    """The ``top`` fitting plans by predicted tokens/s/device (experts routed as unevenly as ``expert_load`` says),
+    and how many combinations were tried."""
     world = config.launch.world_size
     if not world:
         raise ConfigError("launch.world_size", "--recommend plans for a cluster and needs its size",
@@ -55,13 +57,14 @@ def recommend(config, hardware: Hardware, vocab_size: int, top: int = 5) -> tupl
                                         model=model, world_size=world, hardware=hardware) or [{}] for name in names}
     combinations = [dict(zip(alternatives, values)) for values in itertools.product(*alternatives.values())]
     traced = {}  # the model's facts, measured once for every candidate
-    estimated = (_estimated(config, choice, registry, hardware, vocab_size, traced) for choice in combinations)
+    estimated = (_estimated(config, choice, registry, hardware, vocab_size, traced, expert_load)
+                 for choice in combinations)
     fitting = [c for c in estimated if c is not None and c.memory_gib <= hardware.usable_gib]
     return sorted(fitting, key=lambda c: -c.tokens_per_device)[:top], len(combinations)
 
 
 def _estimated(config, choice: dict, registry: Registry, hardware: Hardware, vocab_size: int,
-               traced: dict) -> Candidate | None:
+               traced: dict, expert_load: float) -> Candidate | None:
     values = OmegaConf.to_container(config)
     values["plugins"] = {name: {**values["plugins"][name], **options} for name, options in choice.items()
                          if options is not None}
@@ -69,9 +72,9 @@ def _estimated(config, choice: dict, registry: Registry, hardware: Hardware, voc
     try:
         plan = build_plan(job, registry, None, vocab_size)
         check_job(job, plan)
-        result = estimate(job, plan, registry, hardware, traced=traced)
+        result = estimate(job, plan, registry, hardware, traced=traced, expert_load=expert_load)
     except ConfigError as error:
-        if error.field == "model.name":  # the model itself cannot be planned: no candidate can
+        if error.field in ("model.name", "--expert-load"):  # the model itself cannot be planned: no candidate can
             raise
         return None  # a plan some plugin or the core refuses is not a candidate
     rank = result.most_loaded()

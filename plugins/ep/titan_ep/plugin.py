@@ -75,8 +75,8 @@ def apply_parallelism(model_parts, mesh, plan):
 def estimate_costs(estimate, plan):
     """ep: each rank computes with (and its sharder gathers and reduces) only its slice of each block's experts; per
     mixture-of-experts block and micro-batch, the token copies travel to their experts' ranks and back, in forward,
-    in backward, and in the forward a checkpointed block runs again (evenly routed, as the planner traces them),
-    and the step waits for them."""
+    in backward, and in the forward a checkpointed block runs again, and the step waits for them: the busiest rank's,
+    which receives ``expert_load`` times an even share (and sends as much back)."""
     degree = plan.degree(EP)
     estimate.expert_split *= degree
     tp = plan.degree(TP)  # tensor parallel gives each of its ranks a share of a MoE layer's tokens
@@ -89,7 +89,7 @@ def estimate_costs(estimate, plan):
 
     def sent(e):  # bytes one rank sends per step: copies out and results back, in each forward and in backward
         copies = sum((2 * forwards(e, i) + 2) * e.facts.block_expert_input[i] for i in experts_blocks(e))
-        return copies * e.microbatch_tokens / tp * e.microbatches_per_step() * (degree - 1) / degree
+        return copies * e.expert_load * e.microbatch_tokens / tp * e.microbatches_per_step() * (degree - 1) / degree
 
     def calls(e):  # per MoE block and micro-batch: each forward's counts, copies and results; backward's two
         return sum(3 * forwards(e, i) + 2 for i in experts_blocks(e)) * e.microbatches_per_step()
@@ -131,6 +131,7 @@ class ExpertParallel:
         send_splits, receive_splits = sent.sum(1).tolist(), received.sum(1).tolist()
         arrived = all_to_all_single_autograd(tokens, receive_splits, send_splits, self.ep_group)
         order = by_expert(received)
+        self.routed = len(tokens)  # the even share of what it computes, for a module that measures its load
         with local_parameters(self):
             out = super().forward(arrived[order], received.sum(0))
         returned = out[order.argsort()]  # back in arrival order: by source rank, as each rank sent them

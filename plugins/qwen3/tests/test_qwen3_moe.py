@@ -381,11 +381,18 @@ def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group,
         assert torch.equal(counted, torch.bincount(torch.cat(chosen[layer]), minlength=8))
         assert counted.sum() == 3 * 32 * 2  # both calls, every token's two copies
 
+    # This CPU's kernel pads every expert's batch to its busiest expert's: 8 x the most copies, per call.
+    padded = sum(8 * int(torch.bincount(call, minlength=8).max()) for layer in (1, 2, 3) for call in chosen[layer])
+    copies = sum(len(call) for layer in (1, 2, 3) for call in chosen[layer])
+
     for layer, counts in zip((1, 2, 3), ([4, 4, 4, 4, 4, 4, 4, 4], [8, 0, 4, 4, 4, 4, 4, 4], [2, 6, 4, 4, 4, 4, 4, 4])):
         model.layers[str(layer)].mlp.tokens_per_expert.copy_(torch.tensor(counts))
     metrics = Qwen3MoePlugin().step_metrics(model_parts=[model], step=10, plan=Plan((), {}, 1, describe(model.args)))
+    rank_load = metrics.pop("expert_rank_load_max")
     assert metrics == {"expert_load_min": 0.0, "expert_load_max": 2.0, "idle_experts": 1}
+    assert rank_load == pytest.approx(padded / copies) and rank_load > 1.2
     assert all(model.layers[str(layer)].mlp.tokens_per_expert.sum() == 0 for layer in (1, 2, 3))  # read and reset
+    assert all(model.layers[str(layer)].mlp.experts.copies_routed == 0 for layer in (1, 2, 3))
 
     idle = ExpertRouting(100).idle_experts
     quiet = torch.tensor([[3.0, 0.0], [1.0, 1.0]])

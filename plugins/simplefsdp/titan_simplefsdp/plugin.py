@@ -70,17 +70,14 @@ def estimate_costs(estimate, plugin_config, plan):
                                            estimate.device_type)
     reduce_bytes = FLOAT_DTYPES[plugin_config.reduce_dtype].itemsize
 
-    def recomputes(e, index):  # a checkpointed block reads (gathers) its weights again in backward
-        return e.kept(index) < e.facts.block_saved[index] / e.activation_split
-
-    def kept_by_blocks(e):
-        return sum(e.block_gathered(i) for i in e.blocks if not recomputes(e, i)) * e.compute_dtype.itemsize
+    def kept_by_blocks(e):  # a checkpointed block reads (gathers) its weights again in backward: not kept
+        return sum(e.block_gathered(i) for i in e.blocks if not e.recomputes(i)) * e.compute_dtype.itemsize
 
     def kept_by_outputs(e):  # until the loss's backward (an embedding's backward needs no weight)
         return e.facts.outputs_params * e.holds_outputs / e.weight_split * e.compute_dtype.itemsize
 
     def regathered(e):
-        return max((e.block_gathered(i) for i in e.blocks if recomputes(e, i)), default=0.0) * e.compute_dtype.itemsize
+        return max((e.block_gathered(i) for i in e.blocks if e.recomputes(i)), default=0.0) * e.compute_dtype.itemsize
 
     estimate.add_memory("buffers", kept_by_blocks, "the blocks' weights gathered as read, kept for backward",
                         "simplefsdp")
