@@ -70,6 +70,7 @@ TP_NO_SP = ("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_paralle
     ("model=gpt2_tiny", "+plugins=[ac]", "plugins.ac.mode=full"),
     DISTRIBUTED, ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.replicate_degree=2"),
     ("+plugins=[fsdp,ac]", "plugins.fsdp.degree=4", "plugins.ac.mode=full"),
+    ("+plugins=[fsdp]", "plugins.fsdp.degree=2", "training.grad_accum_steps=2", "plugins.fsdp.reduce_gradients=last_micro_batch"),
     ("+plugins=[tp]", "plugins.tp.degree=2"), TP_NO_SP, ("+plugins=[fsdp,tp]", "plugins.fsdp.degree=2", "plugins.tp.degree=2"),
     ("+plugins=[tp,ac]", "plugins.tp.degree=2", "plugins.ac.mode=full"),
     ("+plugins=[tp,ac]", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false", "plugins.ac.mode=selective_op"),
@@ -81,13 +82,14 @@ TP_NO_SP = ("+plugins=[tp]", "plugins.tp.degree=2", "plugins.tp.sequence_paralle
     ("+plugins=[simplefsdp]", "plugins.simplefsdp.degree=4"),
     ("+plugins=[simplefsdp,ac]", "plugins.simplefsdp.degree=4", "plugins.ac.mode=full"),
 ], ids=["none", "ac-full", "ac-selective_op", "ac-selective_op-every-other-matmul", "ac-selective_layer", "grad-accum", "qwen3", "qwen3-ac-full",
-        "gpt2-ac-full", "fsdp", "hsdp", "fsdp-ac-full", "tp", "tp-no-sp", "fsdp-tp", "tp-ac-full",
+        "gpt2-ac-full", "fsdp", "hsdp", "fsdp-ac-full", "fsdp-reduce-last-micro-batch", "tp", "tp-no-sp", "fsdp-tp", "tp-ac-full",
         "tp-no-sp-ac-selective_op", "cp", "fsdp-cp", "float8",
         "fsdp-float8", "chunked_loss", "chunked_loss-tp", "simplefsdp", "simplefsdp-ac-full"])
 def test_predicted_peak_matches_torchs_memory_tracker(overrides):
     """Within 5% of torch's tracker, rank 0 of each plan (a fake process group stands in for the others) running
     the worker's own step. Without its estimate, chunked_loss was 6-9% over (the logits it never keeps) and
-    simplefsdp 40% over with full checkpointing (weights a checkpointed block gathers again, not kept)."""
+    simplefsdp 40% over with full checkpointing (weights a checkpointed block gathers again, not kept); fsdp reducing
+    only the last micro-batch was 9% over while it counted the gradients' shards beside the whole ones."""
     config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
     predicted = result.memory()
     measured = _tracked_step(config, registry, plan)
@@ -219,11 +221,10 @@ ci_stacks = importlib.util.module_from_spec(stack_spec)
 stack_spec.loader.exec_module(ci_stacks)
 # Measured, with the reason. Every other stack: within 5%.
 STACK_BOUNDS = {"pp-DualPipeV": (-0.08, 0.05),
-                # A mixture of experts' pipeline ranks under fsdp, over by up to 12.4% at the load they measured
-                # (11.0% evenly routed): the planner puts FSDP's whole gradients, kept across micro-batches, beside
-                # their shards, where Qwen3-MoE's last stage holds only the whole ones (550 KiB, not 825); gpt-oss's
-                # first stage holds both (counted without the shards it reads 9% under), so the term stays.
-                "moe-pp": (-0.05, 0.13)}
+                # gpt-oss's stack of every plugin: its first stage 9.3% and 6.0% under (selective checkpointing with
+                # ep under a pipeline keeps more than planned: 5.8-7.5% under with those three alone, 2.2-4.1% with
+                # selective checkpointing alone; docs/planner.md).
+                "moe-pp": (-0.10, 0.05)}
 
 
 def _stack_name(row) -> str:
@@ -780,12 +781,14 @@ def test_each_cards_efficiency_predicts_its_other_published_runs():
 @pytest.mark.slow
 def test_every_published_seed_job_fits_and_is_planned_near_what_it_did():
     """TorchTitan's 17 published Llama 3.1 jobs (bench/planner_vs_seeds.py's ROWS): each fits; its memory, what is
-    allocated, is at most 5% over what the allocator reserved and at most 25% under; tokens/s within 20%. Table 5
-    planned as 32 micro-batches of one sequence instead of 8 of four (what TorchTitan ran) was -40% and +31%."""
+    allocated, is at most 5% over what the allocator reserved and at most 30% under (table 6's CP 8 job reserved
+    84.9 of the card's 96 GiB, planned 62.1: near its limit the allocator reserves what it can); tokens/s within
+    20%. Table 5 planned as 32 micro-batches of one sequence instead of 8 of four (what TorchTitan ran) was -40%
+    and +31%."""
     usable = hardware_profile(published.HARDWARE).usable_gib
     for number, name, overrides, tps, memory in published.ROWS:
         got_tps, got_memory = published.predicted(overrides)
-        assert got_memory < usable and -0.25 < got_memory / memory - 1 < 0.05, (number, name, got_memory, memory)
+        assert got_memory < usable and -0.30 < got_memory / memory - 1 < 0.05, (number, name, got_memory, memory)
         assert abs(got_tps / tps - 1) < 0.2, (number, name, got_tps, tps)
 
 

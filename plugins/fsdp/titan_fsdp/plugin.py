@@ -178,20 +178,24 @@ def estimate_costs(estimate, plugin_config, plan):
                                 lambda e: 2 * reductions * e.held_gathered() / shards * reduce_bytes
                                 * (replicas - 1) / replicas, overlapped=True, plugin="fsdp",
                                 calls=lambda e: reductions * units(e))
+    def unreduced(e):
+        # Whole until the last micro-batch's reduce-scatter makes its shard and frees it: at the peak the whole
+        # gradients stand where the core counts shards (tracked: a stage holds the whole ones only).
+        shards = 4 * e.held_params() / (e.weight_split * e.state_shards)
+        return (e.held_gathered() * reduce_bytes - shards) * e.trained_share
+
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered and their gradients unreduced until the
         # last micro-batch's backward: whole, for every block of the rank.
         estimate.add_memory("buffers", lambda e: e.held_gathered() * gathered_bytes(e),
                             "weights gathered for the whole step (pipeline)", "fsdp")
-        estimate.add_memory("buffers", lambda e: e.held_gathered() * reduce_bytes,
-                            "gradients accumulated whole until the last micro-batch (pipeline)", "fsdp",
-                            when="accumulated")
+        estimate.add_memory("buffers", unreduced, "gradients accumulated whole until the last micro-batch, beyond "
+                            "their shards (pipeline)", "fsdp", when="accumulated")
         return
     if reductions < micro:
         # Reduced in the last micro-batch only: until then each parameter's gradient accumulates whole.
-        estimate.add_memory("buffers", lambda e: e.held_gathered() * reduce_bytes,
-                            "gradients accumulated whole until the last micro-batch (reduce_gradients)", "fsdp",
-                            when="accumulated")
+        estimate.add_memory("buffers", unreduced, "gradients accumulated whole until the last micro-batch, beyond "
+                            "their shards (reduce_gradients)", "fsdp", when="accumulated")
     # As backward starts, the last block (never resharded) and the output layer's unit are gathered; then the
     # block running backward, the ones prefetched, and the gradients of the one before being reduced.
     estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() + e.facts.outputs_params * e.holds_outputs
