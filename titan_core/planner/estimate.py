@@ -223,7 +223,8 @@ class Estimate:
         """Bytes per token block ``index`` would keep on this rank without activation checkpointing: its experts'
         share grown by ``expert_load``."""
         facts = self.facts
-        return (facts.block_saved[index] + (self.expert_load - 1) * facts.block_expert_saved[index]) / self.activation_split
+        experts_more = (self.expert_load - 1) * facts.block_expert_saved[index]
+        return (facts.block_saved[index] + experts_more) / self.activation_split
 
     def kept(self, index: int) -> float:
         """Bytes per token block ``index`` keeps on this rank until its backward."""

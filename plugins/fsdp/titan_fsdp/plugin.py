@@ -178,6 +178,7 @@ def estimate_costs(estimate, plugin_config, plan):
                                 lambda e: 2 * reductions * e.held_gathered() / shards * reduce_bytes
                                 * (replicas - 1) / replicas, overlapped=True, plugin="fsdp",
                                 calls=lambda e: reductions * units(e))
+
     def unreduced(e):
         # Whole until the last micro-batch's reduce-scatter makes its shard and frees it: at the peak the whole
         # gradients stand where the core counts shards (tracked: a stage holds the whole ones only).
