@@ -639,6 +639,9 @@ def test_a_model_built_from_the_cores_moe_blocks_trains_and_balances(tmp_path):
     routed = [*TINY, "model=routed_tiny", "training.steps=3"]
     reference = run_job(routed, tmp_path / "one", env=env)
     assert {"expert_load_min", "expert_load_max", "idle_experts"} <= reference.metrics[-1].keys()  # ExpertRouting's
+    # The core's experts on this CPU pad each expert's batch to the busiest one's: more rows than copies routed, the
+    # load the planner's --expert-load takes.
+    assert reference.metrics[-1]["expert_rank_load_max"] > 1
     bias = reference.final_weights()["blocks.1.mlp.gate.expert_bias"]
     # Moved by 0.01 up or down after each of the 3 steps: an odd number of hundredths, never 0.
     assert torch.equal((bias.abs() * 100).round() % 2, torch.ones(4)), bias
@@ -646,6 +649,7 @@ def test_a_model_built_from_the_cores_moe_blocks_trains_and_balances(tmp_path):
                      tmp_path / "ep", env=env)
     report = compare(result, reference)
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+    assert result.metrics[-1]["expert_rank_load_max"] > 1
 
 
 # Low-rank attention written from docs/writing-models.md's MLA paragraph: a down-projection every tp rank runs whole

@@ -742,6 +742,25 @@ def test_recommend_ranks_the_plans_that_fit_and_they_run_as_printed(tmp_path):
         prepare(compose(*overrides), job_nodes())  # a printed plan is one run accepts
 
 
+def test_recommend_plans_every_candidate_at_the_load_given():
+    """The plan command's --expert-load reaches every plan --recommend tries: each, routed as unevenly as given,
+    holds more (what its experts keep) and runs no faster (the tiny model's step is the host's: its extra FLOPs
+    do not show) than evenly routed."""
+    from titan_core.planner.cli import split_flags
+    from titan_core.planner.recommend import recommend
+
+    def plans(*flags):
+        chosen = split_flags([*flags, *SMALL, "model=qwen3_moe_tiny", "launch.world_size=4", "+plugins=[fsdp,ep,ac]",
+                              "plugins.ep.degree=2"])
+        best, _ = recommend(compose(*chosen.overrides), hardware_profile("a100"), 256, chosen.expert_load)
+        return {candidate.overrides: candidate for candidate in best}
+    even, uneven = plans(), plans("--expert-load", "2")
+    assert even.keys() == uneven.keys() and len(even) == 4  # fsdp x ep x (no ac, two selective, full)
+    for plan, candidate in even.items():
+        assert uneven[plan].memory_gib > candidate.memory_gib, plan
+        assert uneven[plan].tokens_per_device <= candidate.tokens_per_device, plan
+
+
 def test_recommend_tries_an_outsiders_options_and_drops_what_does_not_fit(tmp_path):
     source = OUTSIDER + '''
 
