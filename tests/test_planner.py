@@ -221,9 +221,9 @@ ci_stacks = importlib.util.module_from_spec(stack_spec)
 stack_spec.loader.exec_module(ci_stacks)
 # Measured, with the reason. Every other stack: within 5%.
 STACK_BOUNDS = {"pp-DualPipeV": (-0.08, 0.05),
-                # gpt-oss's stack of every plugin: its first stage 9.3% and 6.0% under (selective checkpointing with
-                # ep under a pipeline keeps more than planned: 5.8-7.5% under with those three alone, 2.2-4.1% with
-                # selective checkpointing alone; docs/planner.md).
+                # gpt-oss's stack of every plugin: its first stage 9.3% and 6.0% under (a pipeline stage of ep with
+                # checkpointing keeps more than planned: 5.8-7.5% under with fsdp, pp, ep and AC alone, full or
+                # selective; +0.4-1.5% without the pipeline; docs/planner.md).
                 "moe-pp": (-0.10, 0.05)}
 
 
