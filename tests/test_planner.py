@@ -629,6 +629,7 @@ def test_a_plugin_without_the_hook_is_reported_not_counted():
      "do not split over 2"),
     (["--expert-load", "0.8", "model=qwen3_moe_tiny"], "--expert-load", "is not a number of 1 or more"),
     (["--expert-load=lots", "model=qwen3_moe_tiny"], "--expert-load", "is not a number of 1 or more"),
+    (["--expert-load", "inf", "model=qwen3_moe_tiny"], "--expert-load", "is not a number of 1 or more"),
     (["--expert-load", "1.3"], "--expert-load", "has no experts to route unevenly"),
     (["--expert-load", "1.3", "--calibrate", "mine.yaml"], "--expert-load", "which --calibrate does not"),
 ])

@@ -31,7 +31,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 from titan_core import objective
 from titan_core.mesh import ParallelMesh
-from titan_core.moe.layer import MoE
+from titan_core.moe.routing import rank_load
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.planner.facts import OperatorCounter
 from titan_core.testing import compose
@@ -78,11 +78,9 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     before = _alive_tensors()
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
     parts, optimizer, step = _training_step(config, registry, plan, fake)
-    experts = [m.experts for part in parts for m in part.modules() if isinstance(m, MoE)]
     with fake:
         step()
-        for module in experts:
-            module.rows_computed = module.copies_routed = 0
+        rank_load(parts)  # the first step's, left out
         tracker = Tracker()
         kept = [t for i, t in _alive_tensors().items() if i not in before]
         tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
@@ -92,8 +90,7 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())
     return {getattr(kind, "name", kind): nbytes for kind, nbytes in peak.items()} | {
-        "float8_linears": converted,
-        "expert_load": sum(m.rows_computed for m in experts) / max(1, sum(m.copies_routed for m in experts))}
+        "float8_linears": converted, "expert_load": rank_load(parts)}
 
 
 def _collective(operator) -> bool:  # waits and autograd's wrappers are not calls

@@ -181,8 +181,9 @@ class GroupedExperts(nn.Module):
             return self._grouped(tokens, counts) if grouped else self._gathered(tokens, counts)
         if grouped:
             out, rows = self._grouped(tokens, counts), len(tokens)
-        else:  # every expert's batch padded to the busiest one's
-            out, rows = self._padded(tokens, counts), len(counts) * int(counts.max()) if len(tokens) else 0
+        else:  # every expert's batch padded to the busiest one's (read once: a host sync)
+            most = int(counts.max()) if len(tokens) else 0
+            out, rows = self._padded(tokens, counts, most), len(counts) * most
         if torch.is_grad_enabled():  # training's load (an evaluation's is not what the planner plans)
             self.rows_computed += rows
             self.copies_routed += len(tokens) if self.routed is None else self.routed
@@ -207,12 +208,12 @@ class GroupedExperts(nn.Module):
                                 self.down_proj.transpose(-2, -1), offs=ends)
         return out + self.down_proj_bias[experts]
 
-    def _padded(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Each expert's tokens in one row of a (experts, most tokens, hidden) batch, then two batched matmuls.
+    def _padded(self, tokens: torch.Tensor, counts: torch.Tensor, most: int) -> torch.Tensor:
+        # Each expert's tokens in one row of an (experts, most tokens, hidden) batch, then two batched matmuls.
         experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts)
         starts = counts.cumsum(0) - counts
         slots = torch.arange(len(tokens), device=tokens.device) - starts[experts]
-        padded = tokens.new_zeros(len(counts), int(counts.max()) if len(tokens) else 0, tokens.shape[-1])
+        padded = tokens.new_zeros(len(counts), most, tokens.shape[-1])
         return self.batched(padded.index_put((experts, slots), tokens))[experts, slots]
 
     def batched(self, padded: torch.Tensor) -> torch.Tensor:

@@ -70,15 +70,21 @@ def routing_metrics(model_parts, step, plan, idle_experts: IdleExperts) -> dict:
     return metrics
 
 
-def busiest_rank_load(model_parts) -> float:
-    """The rows a rank's experts computed per token copy that rank routed to them since the last log (the counts
-    are reset), on the busiest rank: expert parallel's ranks receiving more copies than they send, the padded
-    kernel's padding. 1 when every call computed one row per copy (the compiled kernels). Every rank must call it."""
+def rank_load(model_parts) -> float:
+    """The rows this rank's experts computed per token copy it routed to them since the last call, which resets
+    the counts (0 without a call): expert parallel's ranks receiving more copies than they send, the padded
+    kernel's padding."""
     experts = [module.experts for part in model_parts for module in part.modules() if isinstance(module, MoE)]
     rows, routed = sum(m.rows_computed for m in experts), sum(m.copies_routed for m in experts)
     for module in experts:
         module.rows_computed = module.copies_routed = 0
-    busiest = torch.tensor(rows / routed if routed else 0.0, device=next(model_parts[0].buffers()).device)
+    return rows / routed if routed else 0.0
+
+
+def busiest_rank_load(model_parts) -> float:
+    """:func:`rank_load` since the last log on the busiest rank; 1 when every call computed one row per copy (the
+    compiled kernels, which count nothing). Every rank must call it."""
+    busiest = torch.tensor(rank_load(model_parts), device=next(model_parts[0].buffers()).device)
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     return max(1.0, busiest.item())
 

@@ -10,6 +10,7 @@ degrees) sizes the world, whatever this machine holds.
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 
@@ -76,7 +77,7 @@ def _expert_load(value: str) -> float:
         load = float(value)
     except ValueError:
         load = float("nan")
-    if not load >= 1:  # nan included
+    if not 1 <= load < math.inf:  # nan fails both
         raise ConfigError("--expert-load", f"'{value}' is not a number of 1 or more: the busiest rank computes at "
                           "least an even share", "give the expert_rank_load_max a run of this job logged, or 1 "
                           "(even routing)")

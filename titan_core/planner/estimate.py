@@ -205,6 +205,11 @@ class Estimate:
         experts = self.facts.block_expert_params[index]
         return (self.facts.block_params[index] - experts) / self.weight_split + experts / self.expert_split
 
+    def sharded_params(self) -> float:
+        """Parameters of the parts this rank holds that it keeps after every split: what its optimizer states and its
+        gradients, once reduced, cover."""
+        return self.held_params() / (self.weight_split * self.state_shards)
+
     def held_gathered(self) -> float:
         """Parameters of the parts this rank holds that it computes with, once gathered (what a sharder gathers
         and reduces)."""
@@ -295,7 +300,7 @@ class Estimate:
         """
         facts, tokens = self.facts, self.microbatch_tokens
         shards = self.weight_split * self.state_shards
-        state = self.held_params() / shards
+        state = self.sharded_params()
         others = tokens * ((in_flight - 1) * self.kept_per_token() + waiting * self.param_results_per_token())
         kept = [tokens * self.kept(i) for i in self.blocks]
         outer = tokens * self.outer_kept()

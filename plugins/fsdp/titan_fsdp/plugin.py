@@ -182,8 +182,7 @@ def estimate_costs(estimate, plugin_config, plan):
     def unreduced(e):
         # Whole until the last micro-batch's reduce-scatter makes its shard and frees it: at the peak the whole
         # gradients stand where the core counts shards (tracked: a stage holds the whole ones only).
-        shards = 4 * e.held_params() / (e.weight_split * e.state_shards)
-        return (e.held_gathered() * reduce_bytes - shards) * e.trained_share
+        return (e.held_gathered() * reduce_bytes - 4 * e.sharded_params()) * e.trained_share
 
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered and their gradients unreduced until the

@@ -134,7 +134,7 @@ class LoraPlugin:
         estimate.trained_share = adapters / every
         if plugin_config.base_dtype == "bfloat16":
             narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model)) / every
-            estimate.add_memory("parameters", lambda e: -2 * narrow * e.held_params() / (e.weight_split * e.state_shards),
+            estimate.add_memory("parameters", lambda e: -2 * narrow * e.sharded_params(),
                                 "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora")
 
     @hookimpl
