@@ -219,23 +219,25 @@ def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
 stack_spec = importlib.util.spec_from_file_location("ci_stacks", Path(__file__).with_name("test_stack_matrix.py"))
 ci_stacks = importlib.util.module_from_spec(stack_spec)
 stack_spec.loader.exec_module(ci_stacks)
-# Measured, with the reason. Every other stack: within 5%.
-STACK_BOUNDS = {"pp-DualPipeV": (-0.08, 0.05),
-                # gpt-oss's stack of every plugin: its first stage 9.3% and 6.0% under (a pipeline stage of ep with
-                # checkpointing keeps more than planned: 5.8-7.5% under with fsdp, pp, ep and AC alone, full or
-                # selective; +0.4-1.5% without the pipeline; docs/planner.md).
-                "moe-pp": (-0.10, 0.05)}
 
 
 def _stack_name(row) -> str:
     return " ".join(label for label, _, _ in row if label != "-")
 
 
-def _bounds(row) -> tuple[float, float]:
-    labels = {label for label, _, _ in row}
-    if labels & ci_stacks.matrix.MODELS_WITH_EXPERTS and any(label.startswith("pp-") for label in labels):
-        labels.add("moe-pp")
-    return next((bound for label, bound in STACK_BOUNDS.items() if label in labels), (-0.05, 0.05))
+def _each_rank_tracked(overrides, tmp_path):
+    """Each rank of the plan run on its own real world: its number, its estimate (its pipeline stage's) at the
+    expert load it measured, and what torch's tracker measured."""
+    *_, plan, result = _estimate(*overrides)
+    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(plan.world_size), str(tmp_path), *overrides],
+                           timeout=600, capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    dims = list(plan.mesh_shape)
+    inner = math.prod(list(plan.mesh_shape.values())[dims.index("pp") + 1:]) if "pp" in dims else plan.world_size
+    for rank in range(plan.world_size):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        estimated = result.each_rank()[rank // inner % len(result.each_rank())]
+        yield rank, dataclasses.replace(estimated, expert_load=max(1.0, measured["expert_load"])), measured
 
 
 @pytest.mark.slow
@@ -243,23 +245,29 @@ def _bounds(row) -> tuple[float, float]:
 def test_each_ci_stack_matches_torchs_tracker_on_every_rank(row, tmp_path):
     """Every rank of each CI stack (all the plugins at once, the worker's own step) against its own prediction,
     a mixture of experts planned at the load the rank measured (ranks of one role differ: gpt-oss's pipeline rank
-    1 at 1.90 and 1.98 MiB); the error's sign printed (+: the planner over, the safe side)."""
+    1 at 1.90 and 1.98 MiB); the error's sign printed (+: the planner over, the safe side). gpt-oss's first stage
+    was 9.3% under until the planner counted what a recomputing block's forward holds beyond what it keeps."""
     overrides = ("tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8", "launch.device=cpu",
                  *ci_stacks.matrix.overrides(row))
-    config, registry, plan, result = _estimate(*overrides)
-    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(plan.world_size), str(tmp_path), *overrides],
-                           timeout=600, capture_output=True, text=True)
-    assert ranks.returncode == 0, ranks.stderr[-3000:]
-    low, high = _bounds(row)
-    dims = list(plan.mesh_shape)
-    inner = math.prod(list(plan.mesh_shape.values())[dims.index("pp") + 1:]) if "pp" in dims else plan.world_size
-    for rank in range(plan.world_size):
-        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        estimated = result.each_rank()[rank // inner % len(result.each_rank())]
-        estimated = dataclasses.replace(estimated, expert_load=max(1.0, measured["expert_load"]))
+    for rank, estimated, measured in _each_rank_tracked(overrides, tmp_path):
         error = sum(estimated.memory().values()) / measured["Total"] - 1
         print(f"rank {rank}: {error:+.1%} (expert load {measured['expert_load']:.2f})")
-        assert low < error < high, (rank, error)
+        assert abs(error) < 0.05, (rank, error)
+
+
+@pytest.mark.slow
+def test_a_recomputing_pipeline_stage_of_experts_matches_the_tracker(tmp_path):
+    """A checkpointed block holds, as its forward runs again in backward, results it lets go (the routed copies,
+    a matmul's output before its bias) beside what it keeps, and under ep the copies that arrived: on a pipeline
+    stage, which holds no logits, that is the peak. Counted, every rank of fsdp 2 x pp 2 x ep 2 with full
+    checkpointing is within 3% (0.4% to 2.8% under); left out, the last stage's are 3.5% and 4.1% under (and 5.9%
+    to 7.5% while the layer's padded batch kept its zeros and ep its copies in arrival order)."""
+    overrides = ("tokenizer.path=bytes", "training.seq_len=32", "training.global_batch_size=8", "launch.device=cpu",
+                 "model=gpt_oss_tiny", "+plugins=[fsdp,pp,ep,ac]", "plugins.fsdp.degree=2", "plugins.pp.degree=2",
+                 "plugins.pp.schedule=1F1B", "plugins.ep.degree=2", "plugins.ac.mode=full")
+    for rank, estimated, measured in _each_rank_tracked(overrides, tmp_path):
+        assert all(estimated.forward_held(i) > estimated.facts.block_backward[i] for i in estimated.blocks)  # counted
+        assert abs(sum(estimated.memory().values()) / measured["Total"] - 1) < 0.03, rank
 
 
 @pytest.mark.slow
@@ -486,18 +494,44 @@ def test_an_outsiders_chunked_loss_keeps_one_chunk_of_logits(tmp_path):
     """Estimate.logits_tokens, set as docs/writing-plugins.md says by a plugin written from it: the activations
     printed are the plan's with the logits of 16 tokens instead of the micro-batch's 512."""
     env = install_plugins(tmp_path / "site", {"logitchunks": (LOGIT_CHUNKS, "tokens: 16\n")}, "logitchunks-plugin")
+    plain, chunked = _activations_with_outsider(env, "logitchunks", (), logits_tokens=16)
+    assert chunked < 0.9 * plain
 
-    def activations(*extra):
-        done = _plan_command("--hardware", "a100", *SMALL, *extra, env=env)
+
+def _activations_with_outsider(env, plugin: str, job: tuple, **fields) -> tuple[float, float]:
+    """The activations the planner has for ``job`` on an A100, as planned and with ``fields`` as the outsider's
+    ``plugin`` should set them, once the plan command printed the same without and with that plugin."""
+    def printed(*plugins):
+        done = _plan_command("--hardware", "a100", *SMALL, *job, *plugins, env=env)
         assert done.returncode == 0, done.stderr
         return _printed_bytes(done.stdout, "    activations")
 
-    *_, plain = _estimate()
+    *_, plain = _estimate(*job)
     plain = dataclasses.replace(plain, hardware=hardware_profile("a100"), compute_dtype=torch.bfloat16)
-    chunked = dataclasses.replace(plain, logits_tokens=16)
-    assert activations() == pytest.approx(plain.memory()["activations"], rel=0.01)
-    assert activations("+plugins=[logitchunks]") == pytest.approx(chunked.memory()["activations"], rel=0.01)
-    assert chunked.memory()["activations"] < 0.9 * plain.memory()["activations"]
+    changed = dataclasses.replace(plain, **fields)
+    assert printed() == pytest.approx(plain.memory()["activations"], rel=0.01)
+    assert printed(f"+plugins=[{plugin}]") == pytest.approx(changed.memory()["activations"], rel=0.01)
+    return plain.memory()["activations"], changed.memory()["activations"]
+
+
+HELD_COPIES = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """heldcopies: the experts' call holds `copies` more copies of the token copies while the experts compute."""
+    estimate.expert_copies_held += plugin_config.copies
+'''
+
+
+def test_an_outsiders_experts_call_holds_its_copies_where_a_block_recomputes(tmp_path):
+    """Estimate.expert_copies_held, set as docs/writing-plugins.md says by a plugin written from it: a checkpointed
+    block's forward, run again in backward, then holds the plan's peak (its backward's did without them)."""
+    env = install_plugins(tmp_path / "site", {"heldcopies": (HELD_COPIES, "copies: 3\n")}, "heldcopies-plugin")
+    job = ("model=gpt_oss_tiny", "+plugins=[ac]", "plugins.ac.mode=full")
+    plain, held = _activations_with_outsider(env, "heldcopies", job, expert_copies_held=3)
+    assert held > 1.05 * plain
 
 
 DEFERRED_WEIGHTS = '''

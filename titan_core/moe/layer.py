@@ -213,8 +213,9 @@ class GroupedExperts(nn.Module):
         experts = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts)
         starts = counts.cumsum(0) - counts
         slots = torch.arange(len(tokens), device=tokens.device) - starts[experts]
-        padded = tokens.new_zeros(len(counts), most, tokens.shape[-1])
-        return self.batched(padded.index_put((experts, slots), tokens))[experts, slots]
+        # Filled in place: an out-of-place fill would keep the zeros alive beside the batch while the experts run.
+        padded = tokens.new_zeros(len(counts), most, tokens.shape[-1]).index_put_((experts, slots), tokens)
+        return self.batched(padded)[experts, slots]
 
     def batched(self, padded: torch.Tensor) -> torch.Tensor:
         """(experts, rows, hidden) -> (experts, rows, hidden): each expert's feed-forward on its own row."""

@@ -79,7 +79,10 @@ class Estimate:
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
     block recomputes in backward what it did not keep), ``expert_load`` (rows the busiest rank's experts compute
     per token copy it routes, 1 when evenly routed: the busiest rank's experts keep and compute that much more;
-    a run logs it as ``expert_rank_load_max``, the plan command takes it as ``--expert-load``).
+    a run logs it as ``expert_rank_load_max``, the plan command takes it as ``--expert-load``),
+    ``expert_copies_held`` (copies of a block's token copies, at ``expert_load``, that a plugin's experts call holds
+    beside the core layer's while the experts compute: expert parallel's arrived copies, 1; what a block
+    recomputing in backward holds beside what it keeps).
 
     Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
     ``matmul_speedup`` (float8), ``elementwise_passes`` (times each activation crosses device memory in a
@@ -121,6 +124,7 @@ class Estimate:
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     expert_load: float = 1.0
+    expert_copies_held: float = 0.0
     recomputed_fraction: float = 0.0
     matmul_speedup: float = 1.0
     elementwise_passes: float = 4.0
@@ -240,6 +244,13 @@ class Estimate:
         checkpointing, less what it keeps."""
         return self.saved(index) - self.kept(index)
 
+    def forward_held(self, index: int) -> float:
+        """Bytes per token block ``index``'s forward holds at once on this rank beyond what it keeps: what it holds
+        beside that when it runs again in backward."""
+        facts = self.facts
+        copies = self.expert_copies_held * self.expert_load * facts.block_expert_input[index]
+        return (facts.block_forward[index] + copies) / self.activation_split
+
     def uneven_expert_flops(self) -> float:
         """Training FLOPs per step this rank's experts run beyond their even share (``expert_load``): the busiest
         rank's, which the others wait for at the exchange."""
@@ -322,9 +333,11 @@ class Estimate:
         phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
         for position in reversed(range(len(self.blocks))):
             i = self.blocks[position]
-            # Its output's gradient has the stream's shape and split; what its backward makes, the block's.
+            # Its output's gradient has the stream's shape and split; beside what it keeps, what its backward
+            # makes or, if more, what its forward made and let go as it ran again.
+            held = self.forward_held(i) if self.recomputes(i) else 0.0
             working = (facts.block_input / self.stream_split + self.recomputed(i)
-                       + facts.block_backward[i] / self.activation_split)
+                       + max(facts.block_backward[i] / self.activation_split, held))
             phases.append((others + sum(kept[:position + 1]) + tokens * working, made, blocks))
             made += 4 * trained * facts.block_params[i] / shards
         phases.append((others, all_gradients, {category: blocks[category] + end[category] for category in CATEGORIES}))

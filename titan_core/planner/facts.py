@@ -53,6 +53,9 @@ class ModelFacts:
     ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
     ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
+    ``block_forward[i]``: the most block ``i``'s forward holds at once beyond what it keeps once it has run (results
+    it has not let go yet, less what it has yet to keep): what a block recomputing in backward holds beyond
+    its kept activations as its forward runs again;
     ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients);
     ``block_ops[i]``: aten operators block ``i``'s forward and backward run, ``outer_ops``: those of the rest
     and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's;
@@ -80,6 +83,7 @@ class ModelFacts:
     attention_kv: float
     buffer_bytes: int
     block_backward: tuple[float, ...]
+    block_forward: tuple[float, ...]
     block_param_results: tuple[float, ...]
     loss_backward: float
     block_ops: tuple[int, ...]
@@ -136,15 +140,18 @@ class _Tracer(TorchDispatchMode):
         self.expert_copies = [0.0] * n_blocks
         self.expert_saved = [0.0] * n_blocks
         self.in_experts = False  # an experts module runs: what autograd keeps now is theirs
-        # Backward: every allocation and free in order, and where each block's backward starts and ends.
+        # Every allocation and free in order, and where each block's forward and backward start and end.
         self.timeline: list[tuple[str, int, int]] = []
         self.alive: dict[int, int] = {}  # id of a live storage -> its key
         self.next_key = 0
+        self.saved_keys: set[int] = set()  # the allocations autograd keeps
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # Autograd detached the tensor to hand it to this hook, an operator a step without the hook does not run.
         self.ops[-1 if self.counting is None else self.counting] -= 1
         storage = tensor.untyped_storage()
+        if id(storage) in self.alive:
+            self.saved_keys.add(self.alive[id(storage)])
         if storage._cdata not in self.learned and storage._cdata not in self.saved:
             self.kept_alive.append(tensor)
             self.saved[storage._cdata] = (self.block, storage.nbytes(), tuple(tensor.shape))
@@ -170,6 +177,7 @@ class _Tracer(TorchDispatchMode):
         self.matmuls = 0
         self.block_input = _nbytes(args[0]) / self.positions
         self.stream_shape = tuple(args[0].shape)
+        self.timeline.append(("forward", index, 0))
 
     def enter_experts(self, copies: int, nbytes: int) -> None:
         """The token copies entering the running block's experts: how many, and their bytes."""
@@ -181,6 +189,7 @@ class _Tracer(TorchDispatchMode):
         self.in_experts = False
 
     def leave(self, module, args, output) -> None:
+        self.timeline.append(("left", self.block, 0))
         self.block = self.counting = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -211,6 +220,24 @@ class _Tracer(TorchDispatchMode):
     def mark(self, what: str, index: int, *_) -> None:
         self.timeline.append((what, index, 0))
         self.counting = index if what == "start" else None
+
+    def forward_peaks(self, n_blocks: int) -> list[float]:
+        """Per block, the most its forward held at once beyond what autograd keeps of it once it has run."""
+        peaks, current, made, live, most, kept = [0.0] * n_blocks, None, set(), 0, 0, 0
+        for what, key, nbytes in self.timeline:
+            if what == "forward":
+                current, made, live, most, kept = key, set(), 0, 0, 0
+            elif current is not None and what == "left":
+                peaks[current] = max(peaks[current], most - kept)
+                current = None
+            elif current is not None and what == "+":
+                made.add(key)
+                live += nbytes
+                kept += nbytes if key in self.saved_keys else 0
+                most = max(most, live)
+            elif current is not None and what == "-" and key in made:
+                live -= nbytes
+        return [p / self.positions for p in peaks]
 
     def backward_peaks(self, gradients: set[int], n_blocks: int) -> tuple[list[float], float]:
         """Per block, the most its backward held at once beyond what it started with, and the same for what
@@ -265,11 +292,13 @@ def _evenly_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     weights, experts, _ = moe.gate(x)
     copies = experts.numel()
     share = -(-copies // moe.num_experts)
-    token = torch.arange(moe.num_experts * share, device=x.device) % copies // experts.shape[1]
-    _Tracer.active.enter_experts(copies, copies * x.shape[-1] * x.element_size())  # counted, not made: no op traced
-    out = moe.experts.batched(x[token].unflatten(0, (moe.num_experts, share))).flatten(0, 1)[:copies]
+    token = torch.arange(copies, device=x.device) // experts.shape[1]
+    routed = x[token]  # held while the experts compute, as the layer's call holds its argument
+    _Tracer.active.enter_experts(copies, _nbytes(routed))
+    padded = routed[torch.arange(moe.num_experts * share, device=x.device) % copies]
+    out = moe.experts.batched(padded.unflatten(0, (moe.num_experts, share))).flatten(0, 1)[:copies]
     _Tracer.active.leave_experts()
-    out = torch.zeros_like(x).index_add(0, token[:copies], out * weights.flatten()[:, None])
+    out = torch.zeros_like(x).index_add(0, token, out * weights.flatten()[:, None])
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(x)
     return out.reshape(shape)
@@ -359,6 +388,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
+                      block_forward=tuple(tracer.forward_peaks(len(blocks))),
                       block_param_results=tuple(tracer.param_results),
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
                       parameter_tensors=len(list(model.parameters())),

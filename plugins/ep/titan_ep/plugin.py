@@ -79,6 +79,7 @@ def estimate_costs(estimate, plan):
     which receives ``expert_load`` times an even share (and sends as much back)."""
     degree = plan.degree(EP)
     estimate.expert_split *= degree
+    estimate.expert_copies_held += 1  # the arrived copies, sorted by expert, beside the routed ones
     tp = plan.degree(TP)  # tensor parallel gives each of its ranks a share of a MoE layer's tokens
 
     def forwards(e, index: int) -> int:  # a checkpointed block exchanges its copies again to recompute
@@ -129,11 +130,12 @@ class ExpertParallel:
         received = torch.empty_like(sent)  # [source rank, my local expert]: copies arriving here
         dist.all_to_all_single(received, sent, group=self.ep_group)
         send_splits, receive_splits = sent.sum(1).tolist(), received.sum(1).tolist()
-        arrived = all_to_all_single_autograd(tokens, receive_splits, send_splits, self.ep_group)
         order = by_expert(received)
+        # Sorted as they arrive: the copies in arrival order are freed before the experts compute.
+        arrived = all_to_all_single_autograd(tokens, receive_splits, send_splits, self.ep_group)[order]
         self.routed = len(tokens)  # the even share of what it computes, for a module that measures its load
         with local_parameters(self):
-            out = super().forward(arrived[order], received.sum(0))
+            out = super().forward(arrived, received.sum(0))
         returned = out[order.argsort()]  # back in arrival order: by source rank, as each rank sent them
         return all_to_all_single_autograd(returned, send_splits, receive_splits, self.ep_group)
 
