@@ -1,11 +1,18 @@
 """The model and plugin contract, tried the way an outsider would: a model plugin and plugins written from
 docs/writing-models.md and docs/writing-plugins.md, installed for the test."""
 
+import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from titan_core.errors import ConfigError
+from titan_core.planner.costs import estimate
+from titan_core.planner.hardware import hardware_profile
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, compose, error_line, install_plugins, run_job
 
@@ -56,12 +63,34 @@ class TopTwo(nn.Module):
         return add_loss(out, self.z_loss * logits.logsumexp(-1).square().mean())  # the router's z-loss
 
 
+class EvenExperts(Experts):  # as many copies for every expert: no count is read, so the planner can trace it
+
+    def forward(self, tokens, counts):
+        batch = tokens.unflatten(0, (len(counts), -1))
+        return (F.gelu(batch @ self.up.mT) @ self.down.mT).flatten(0, 1)
+
+
+class ExpertChoice(nn.Module):  # each expert takes the quarter of the tokens it scores best
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = EvenExperts(experts, dim)
+
+    def forward(self, x):
+        flat = x.flatten(0, 1)
+        weights, token = self.router(flat).softmax(-1).T.topk(len(flat) // 4, dim=-1)
+        counts = torch.full((len(weights),), token.shape[1], device=x.device)
+        out = self.experts(flat[token.flatten()], counts) * weights.flatten()[:, None]
+        return torch.zeros_like(flat).index_add(0, token.flatten(), out).view_as(x)
+
+
 class Block(nn.Module):
-    def __init__(self, dim, experts, z_loss):
+    def __init__(self, dim, experts, z_loss, routing):
         super().__init__()
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
-        self.moe = TopTwo(experts, dim, z_loss) if experts else None
+        router = ExpertChoice(experts, dim) if routing == "expert_choice" else TopTwo(experts, dim, z_loss)
+        self.moe = router if experts else None
 
     def forward(self, x, document_ids=None):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
@@ -70,11 +99,11 @@ class Block(nn.Module):
 
 
 class Bare(nn.Module):
-    def __init__(self, vocab, dim, layers, seq, experts, z_loss):
+    def __init__(self, vocab, dim, layers, seq, experts, z_loss, routing):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.stack = nn.ModuleDict({str(i): Block(dim, experts, z_loss) for i in range(layers)})
+        self.stack = nn.ModuleDict({str(i): Block(dim, experts, z_loss, routing) for i in range(layers)})
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens, document_ids=None):
@@ -88,7 +117,7 @@ class Bare(nn.Module):
 def describe_model(model_config, vocab_size, seq_len):
     experts = model_config.get("experts", 0)
     return ModelDescription(family="bare", args=(vocab_size, model_config.dim, model_config.layers, seq_len, experts,
-                                                 model_config.z_loss),
+                                                 model_config.z_loss, model_config.routing),
                             n_layers=model_config.layers, blocks="stack", attention=CORE_ATTENTION,
                             experts=ExpertsLayout(module="moe.experts", count=experts, linears=("up", "down"))
                             if experts else None,
@@ -155,10 +184,12 @@ def outsiders(tmp_path):
     return install_plugins(tmp_path / "site", {"probe": (PROBE, "lr: 5.0e-4\nout: null\n"), "typo": (TYPO, "")},
                            distribution="outsider", models={"bare": (BARE_MODEL, {"bare_tiny": "name: bare\ndim: 32\n"
                                                                                                "layers: 2\nexperts: 0\n"
-                                                                                               "z_loss: 0.0\n"})})
+                                                                                               "z_loss: 0.0\n"
+                                                                                               "routing: top_two\n"})})
 
 
 BARE = [*TINY, "model=bare_tiny"]
+TRACKED_RANK = Path(__file__).with_name("tracked_rank.py")
 
 
 @pytest.mark.slow
@@ -175,6 +206,36 @@ def test_an_outside_mixture_of_experts_trains_expert_parallel_like_one_process(t
     assert "holds experts 2-3 of 4 in each of 2 blocks" in (result.run_dir / "logs" / "rank1.log").read_text()
     report = compare(result, reference)
     assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+
+
+@pytest.mark.slow
+def test_an_outside_models_own_experts_are_planned_from_what_they_keep(tmp_path, outsiders, monkeypatch):
+    """docs/writing-models.md's experts contract as the planner reads it: a model's own experts module whose call
+    reads no value (expert choice: each of 4 experts takes its best quarter of the tokens) is traced on the meta
+    device, the copies entering it and what it keeps counted as its experts' (one copy a token, what
+    --expert-load would grow), and the plan is within 5% of torch's tracker over a real step. The top-two
+    router, which counts its copies on the host, is refused in one line."""
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    job = [*BARE, "model.experts=4", "model.routing=expert_choice"]
+    config = compose(*job)
+    registry = Registry(config)
+    result = estimate(config, build_plan(config, registry, None, 256), registry, hardware_profile("cpu-measured"))
+    facts = result.facts
+    assert facts.block_expert_copies == pytest.approx((1.0, 1.0))
+    assert all(0 < experts < kept for experts, kept in zip(facts.block_expert_saved, facts.block_saved))
+    assert dataclasses.replace(result, expert_load=2.0).memory()["activations"] > result.memory()["activations"]
+    tracked = subprocess.run([sys.executable, str(TRACKED_RANK), "1", str(tmp_path / "tracked"), *job],
+                             env=outsiders, capture_output=True, text=True, timeout=300)
+    assert tracked.returncode == 0, tracked.stderr[-3000:]
+    measured = json.loads((tmp_path / "tracked" / "rank0.json").read_text())
+    error = sum(result.memory().values()) / measured["Total"] - 1
+    print(f"planned {error:+.1%} of the tracker's peak")
+    assert abs(error) < 0.05
+
+    config = compose(*BARE, "model.experts=4")
+    registry = Registry(config)
+    with pytest.raises(ConfigError, match="model 'bare' cannot run on the meta device, which the planner traces"):
+        estimate(config, build_plan(config, registry, None, 256), registry, hardware_profile("cpu-measured")).facts
 
 
 @pytest.mark.slow

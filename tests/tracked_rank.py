@@ -178,6 +178,7 @@ def fork_ranks(world_size: int, out: Path, overrides: list[str]) -> int:
     """Run ``main`` in ``world_size`` forked ranks; the exit code: 1 if any rank failed (the others, which would
     wait for it in a collective, are then stopped)."""
     importlib.import_module("torch._dynamo")  # imported at a model's first initialisation: once, for every rank
+    out.mkdir(parents=True, exist_ok=True)  # the ranks' store is a file there: without the folder they wait forever
     children = []
     for rank in range(world_size):
         pid = os.fork()
