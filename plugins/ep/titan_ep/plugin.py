@@ -131,13 +131,13 @@ class ExpertParallel:
         dist.all_to_all_single(received, sent, group=self.ep_group)
         send_splits, receive_splits = sent.sum(1).tolist(), received.sum(1).tolist()
         order = by_expert(received)
-        # Sorted as they arrive: the copies in arrival order are freed before the experts compute.
-        arrived = all_to_all_single_autograd(tokens, receive_splits, send_splits, self.ep_group)[order]
         self.routed = len(tokens)  # the even share of what it computes, for a module that measures its load
+        # No name holds a copy of the copies once the next is made (sorted as they arrive; the results put back
+        # in arrival order, by source rank as each rank sent them): each is freed as soon as it is used.
         with local_parameters(self):
-            out = super().forward(arrived, received.sum(0))
-        returned = out[order.argsort()]  # back in arrival order: by source rank, as each rank sent them
-        return all_to_all_single_autograd(returned, send_splits, receive_splits, self.ep_group)
+            out = super().forward(all_to_all_single_autograd(tokens, receive_splits, send_splits, self.ep_group)[order],
+                                  received.sum(0))[order.argsort()]
+        return all_to_all_single_autograd(out, send_splits, receive_splits, self.ep_group)
 
 
 def by_expert(received: torch.Tensor) -> torch.Tensor:
