@@ -19,6 +19,8 @@ from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, compose, erro
 # A model the core has never seen: its own names, learned positions computed inside forward, and a
 # description that says only what it must. Plugins that need more must refuse it, never train it wrong.
 BARE_MODEL = """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,8 +91,8 @@ class Block(nn.Module):
         super().__init__()
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
-        router = ExpertChoice(experts, dim) if routing == "expert_choice" else TopTwo(experts, dim, z_loss)
-        self.moe = router if experts else None
+        chosen = ExpertChoice if routing == "expert_choice" else functools.partial(TopTwo, z_loss=z_loss)
+        self.moe = chosen(experts, dim) if experts else None
 
     def forward(self, x, document_ids=None):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
