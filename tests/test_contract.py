@@ -705,6 +705,8 @@ def test_a_model_built_from_the_cores_moe_blocks_trains_and_balances(tmp_path):
     # The core's experts on this CPU pad each expert's batch to the busiest one's: more rows than copies routed, the
     # load the planner's --expert-load takes.
     assert reference.metrics[-1]["expert_rank_load_max"] > 1
+    # ExpertRouting's micro-batch context ran: one micro-batch a logged step is the step's load.
+    assert reference.metrics[-1]["expert_rank_load_peak"] == pytest.approx(reference.metrics[-1]["expert_rank_load_max"])
     bias = reference.final_weights()["blocks.1.mlp.gate.expert_bias"]
     # Moved by 0.01 up or down after each of the 3 steps: an odd number of hundredths, never 0.
     assert torch.equal((bias.abs() * 100).round() % 2, torch.ones(4)), bias

@@ -31,7 +31,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 from titan_core import objective
 from titan_core.mesh import ParallelMesh
-from titan_core.moe.routing import rank_load
+from titan_core.moe.routing import ExpertRouting, rank_load
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.planner.facts import OperatorCounter
 from titan_core.testing import compose
@@ -72,7 +72,8 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     the optimizer's (a pipeline stage's receive buffers are made in its first step and kept). With
     ``fake_tensors`` no tensor holds memory (a GPU-sized model on this machine): the tracker counts their sizes
     all the same. ``expert_load``: the rows this rank's experts computed per copy it routed in that step (what
-    the plan command's ``--expert-load`` takes; 0 without the core's MoE layer)."""
+    the plan command's ``--expert-load`` takes; 0 without the core's MoE layer), ``expert_load_peak``: the same
+    over that step's busiest micro-batch, as the model plugin's object measured it (``--expert-load-peak``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     before = _alive_tensors()
@@ -81,6 +82,8 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     with fake:
         step()
         rank_load(parts)  # the first step's, left out
+        for routing in _routing(registry):
+            routing.micro_batch_loads.peak = 0.0
         tracker = Tracker()
         kept = [t for i, t in _alive_tensors().items() if i not in before]
         tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
@@ -90,7 +93,12 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())
     return {getattr(kind, "name", kind): nbytes for kind, nbytes in peak.items()} | {
-        "float8_linears": converted, "expert_load": rank_load(parts)}
+        "float8_linears": converted, "expert_load": rank_load(parts),
+        "expert_load_peak": max((r.micro_batch_loads.peak for r in _routing(registry)), default=0.0)}
+
+
+def _routing(registry) -> list[ExpertRouting]:
+    return [plugin for plugin in registry.stateful().values() if isinstance(plugin, ExpertRouting)]
 
 
 def _collective(operator) -> bool:  # waits and autograd's wrappers are not calls

@@ -1,9 +1,11 @@
 """The routing bookkeeping of a mixture-of-experts model, kept by its model plugin's object (an :class:`ExpertRouting`):
-the balancing bias moved after each optimizer step, the load metrics over the global batch, the experts no token
-chose for long (warned once, counts kept by the checkpoint), the ranks sharing a micro-batch's balance loss."""
+the balancing bias moved after each optimizer step, the load metrics over the global batch and the busiest
+micro-batch, the experts no token chose for long (warned once, counts kept by the checkpoint), the ranks sharing a
+micro-batch's balance loss."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -56,15 +58,17 @@ def update_routing_bias(model_parts, plan) -> None:
             module.gate.expert_bias += rate * torch.sign(counts[layer].mean() - counts[layer])
 
 
-def routing_metrics(model_parts, step, plan, idle_experts: IdleExperts) -> dict:
+def routing_metrics(model_parts, step, plan, idle_experts: IdleExperts, loads: MicroBatchLoads) -> dict:
     """How the routers spread the global batch's tokens over the experts since the last log."""
     args = plan.model.args
     sparse = [layer for layer in range(args.num_hidden_layers) if args.sparse(layer)]
     counts = global_counts(model_parts, plan, "tokens_per_expert")[1][sparse]
     load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
     idle_experts.update(counts, sparse, step)
+    rank_load_max, rank_load_peak = loads.busiest(model_parts)
     metrics = {"expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
-               "idle_experts": int((counts == 0).sum()), "expert_rank_load_max": busiest_rank_load(model_parts)}
+               "idle_experts": int((counts == 0).sum()), "expert_rank_load_max": rank_load_max,
+               "expert_rank_load_peak": rank_load_peak}
     if args.router_aux_loss_coef:
         metrics["router_aux_loss"] = mean_balance_loss(model_parts, plan.degree(CP) * plan.degree(TP))
     return metrics
@@ -75,18 +79,43 @@ def rank_load(model_parts) -> float:
     the counts (0 without a call): expert parallel's ranks receiving more copies than they send, the padded
     kernel's padding."""
     experts = [module.experts for part in model_parts for module in part.modules() if isinstance(module, MoE)]
-    rows, routed = sum(m.rows_computed for m in experts), sum(m.copies_routed for m in experts)
+    rows, routed = _computed(experts)
     for module in experts:
         module.rows_computed = module.copies_routed = 0
     return rows / routed if routed else 0.0
 
 
-def busiest_rank_load(model_parts) -> float:
-    """:func:`rank_load` since the last log on the busiest rank; 1 when every call computed one row per copy (the
-    compiled kernels, which count nothing). Every rank must call it."""
-    busiest = torch.tensor(rank_load(model_parts), device=next(model_parts[0].buffers()).device)
-    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-    return max(1.0, busiest.item())
+def _computed(experts) -> tuple[int, int]:
+    return sum(m.rows_computed for m in experts), sum(m.copies_routed for m in experts)
+
+
+class MicroBatchLoads:
+    """This rank's expert load (:func:`rank_load`) over each training micro-batch: the busiest one's since the last
+    log is the load a step's memory peak meets (the interval's mean can hide it), the planner's
+    ``--expert-load-peak``."""
+
+    def __init__(self):
+        self.peak = 0.0
+
+    @contextlib.contextmanager
+    def measuring(self, model_parts):
+        """Around one micro-batch's forward and backward: keeps its load when it is the busiest yet."""
+        experts = [module.experts for part in model_parts for module in part.modules() if isinstance(module, MoE)]
+        rows, routed = _computed(experts)
+        yield
+        more_rows, more_routed = _computed(experts)
+        if more_routed > routed:  # an evaluation computes no training rows
+            self.peak = max(self.peak, (more_rows - rows) / (more_routed - routed))
+
+    def busiest(self, model_parts) -> tuple[float, float]:
+        """The load since the last log and the busiest micro-batch's, each on its busiest rank (1 when every call
+        computed one row per copy: the compiled kernels, which count nothing); resets both. Every rank must
+        call it."""
+        loads = torch.tensor([rank_load(model_parts), self.peak], device=next(model_parts[0].buffers()).device)
+        self.peak = 0.0
+        dist.all_reduce(loads, op=dist.ReduceOp.MAX)
+        mean, peak = loads.tolist()
+        return max(1.0, mean), max(1.0, peak)
 
 
 def mean_balance_loss(model_parts, sharing: int) -> float:
@@ -151,6 +180,7 @@ class ExpertRouting:
 
     def __init__(self, idle_warning_steps: int = IDLE_WARNING_STEPS):
         self.idle_experts = IdleExperts(idle_warning_steps)
+        self.micro_batch_loads = MicroBatchLoads()
 
     @hookimpl
     def after_init(self, model_parts, mesh, plan) -> None:
@@ -162,6 +192,11 @@ class ExpertRouting:
         share_token_groups(model_parts, mesh, plan)
 
     @hookimpl
+    def batch_context(self, model_parts):
+        """A MoE model: measures the micro-batch's expert load, for the busiest one's metric."""
+        return self.micro_batch_loads.measuring(model_parts)
+
+    @hookimpl
     def after_optimizer_step(self, model_parts, plan) -> None:
         """A MoE model: with router_bias_update_rate, move each expert's routing bias toward an even load."""
         update_routing_bias(model_parts, plan)
@@ -169,7 +204,7 @@ class ExpertRouting:
     @hookimpl
     def step_metrics(self, model_parts, step, plan) -> dict:
         """A MoE model: how the routers spread the global batch's tokens over the experts since the last log."""
-        return routing_metrics(model_parts, step, plan, self.idle_experts)
+        return routing_metrics(model_parts, step, plan, self.idle_experts, self.micro_batch_loads)
 
     def state_dict(self) -> dict:
         return self.idle_experts.state_dict()

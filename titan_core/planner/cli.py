@@ -1,7 +1,8 @@
 """``python -m titan_core.planner [--hardware NAME|FILE] <the overrides of a run>``: one rank's memory and step
 time for that job on that hardware, before launch and without a device (``--recommend``: the fastest plans that
 fit; ``--calibrate FILE``: this machine's profile from a short run, :mod:`titan_core.planner.calibrate`;
-``--expert-load X``: a mixture of experts routed as unevenly as a run that logged ``expert_rank_load_max`` X).
+``--expert-load X``: a mixture of experts routed as unevenly as a run that logged ``expert_rank_load_max`` X;
+``--expert-load-peak Y``: its memory planned at the busiest micro-batch's, logged as ``expert_rank_load_peak`` Y).
 
 The job is composed and checked exactly as ``python -m titan_core.run`` checks it (same one-line errors),
 except that the devices are the hardware profile's, not this machine's: ``launch.world_size`` (or the
@@ -29,7 +30,10 @@ from titan_core.preemption import exit_code
 DEFAULT_HARDWARE = "h100"
 
 USAGE = ("usage: python -m titan_core.planner [--hardware h100|a100|...|cpu-measured|FILE.yaml] "
-         "[--recommend | --calibrate FILE.yaml] [--expert-load X] [overrides ...]")
+         "[--recommend | --calibrate FILE.yaml] [--expert-load X [--expert-load-peak Y]] [overrides ...]")
+# Each load option: the field of Flags it sets and the metric a run logs it as.
+LOAD_FLAGS = {"--expert-load": ("expert_load", "expert_rank_load_max"),
+              "--expert-load-peak": ("expert_load_peak", "expert_rank_load_peak")}
 
 
 class Flags(NamedTuple):
@@ -39,14 +43,17 @@ class Flags(NamedTuple):
     recommend: bool
     calibrate: Path | None  # --calibrate FILE.yaml: the profile to write
     expert_load: float  # --expert-load X: the busiest rank's expert rows per copy routed (1: even routing)
+    expert_load_peak: float | None  # --expert-load-peak Y: the same over the busiest micro-batch (None: X)
     overrides: list[str]
 
 
 def split_flags(argv: list[str]) -> Flags:
     """The plan command's options and the remaining arguments (the overrides)."""
-    flags, rest, args = {"hardware": None, "recommend": False, "calibrate": None, "expert_load": 1.0}, [], iter(argv)
+    flags = {"hardware": None, "recommend": False, "calibrate": None, "expert_load": 1.0, "expert_load_peak": None}
+    rest, args = [], iter(argv)
     examples = {"--hardware": "--hardware h100 (or another profile)", "--calibrate": "--calibrate mydevice.yaml",
-                "--expert-load": "--expert-load 1.3 (the expert_rank_load_max a run of this job logged)"}
+                "--expert-load": "--expert-load 1.3 (the expert_rank_load_max a run of this job logged)",
+                "--expert-load-peak": "--expert-load-peak 1.5 (the expert_rank_load_peak a run of this job logged)"}
     for arg in args:
         name = arg.partition("=")[0]
         if name in examples:
@@ -58,7 +65,7 @@ def split_flags(argv: list[str]) -> Flags:
             elif name == "--calibrate":
                 flags["calibrate"] = Path(value)
             else:
-                flags["expert_load"] = _expert_load(value)
+                flags[LOAD_FLAGS[name][0]] = _expert_load(name, value)
         elif arg == "--recommend":
             flags["recommend"] = True
         elif arg.startswith("-"):
@@ -67,20 +74,26 @@ def split_flags(argv: list[str]) -> Flags:
             rest.append(arg)
     if flags["recommend"] and flags["calibrate"]:
         raise ConfigError("--calibrate", "cannot be given with --recommend", USAGE)
-    if flags["calibrate"] and flags["expert_load"] != 1:
-        raise ConfigError("--expert-load", "plans a job, which --calibrate does not", USAGE)
+    for name, (field, _) in LOAD_FLAGS.items():
+        if flags["calibrate"] and flags[field] not in (1, None):
+            raise ConfigError(name, "plans a job, which --calibrate does not", USAGE)
+    peak = flags["expert_load_peak"]
+    if peak is not None and peak < flags["expert_load"]:
+        raise ConfigError("--expert-load-peak", f"{peak} is below --expert-load "
+                          f"{flags['expert_load']}: the busiest micro-batch is at least as loaded as the step",
+                          "give the expert_rank_load_peak the same run logged beside its expert_rank_load_max")
     return Flags(**flags, overrides=rest)
 
 
-def _expert_load(value: str) -> float:
+def _expert_load(flag: str, value: str) -> float:
+    metric = LOAD_FLAGS[flag][1]
     try:
         load = float(value)
     except ValueError:
         load = float("nan")
     if not 1 <= load < math.inf:  # nan fails both
-        raise ConfigError("--expert-load", f"'{value}' is not a number of 1 or more: the busiest rank computes at "
-                          "least an even share", "give the expert_rank_load_max a run of this job logged, or 1 "
-                          "(even routing)")
+        raise ConfigError(flag, f"'{value}' is not a number of 1 or more: the busiest rank computes at least an "
+                          f"even share", f"give the {metric} a run of this job logged, or 1 (even routing)")
     return load
 
 
@@ -89,7 +102,7 @@ def job_estimate(argv: list[str], hardware=None):
     the overrides of a run), or of its overrides on ``hardware`` when given; raises ConfigError on bad input."""
     flags = split_flags(argv)
     return planned_job(flags.overrides, hardware or hardware_profile(flags.hardware or DEFAULT_HARDWARE),
-                       flags.expert_load)
+                       flags.expert_load, flags.expert_load_peak)
 
 
 def plan_costs(argv: list[str]) -> str:
@@ -108,7 +121,8 @@ def recommendations(argv: list[str]) -> str:
     flags = split_flags(argv)
     overrides, hardware = flags.overrides, hardware_profile(flags.hardware or DEFAULT_HARDWARE)
     config = composed(overrides)
-    best, tried = recommend(config, hardware, load_tokenizer(config.tokenizer).vocab_size, flags.expert_load)
+    best, tried = recommend(config, hardware, load_tokenizer(config.tokenizer).vocab_size, flags.expert_load,
+                            flags.expert_load_peak)
     world = config.launch.world_size
     if not best:
         raise ConfigError("launch.world_size", f"none of the {tried} plans of these plugins fits {world} x "

@@ -21,14 +21,16 @@ from titan_core.plugins import Hooks, Registry, build_plan
 
 
 def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced: dict | None = None,
-             expert_load: float = 1.0) -> Estimate:
+             expert_load: float = 1.0, expert_load_peak: float | None = None) -> Estimate:
     """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
     ``traced`` keeps the model's facts by dtype (and the optimizer's traffic) between estimates of the same model
-    and sequence length; ``expert_load``: :attr:`Estimate.expert_load` (the plan command's ``--expert-load``)."""
+    and sequence length; ``expert_load`` and ``expert_load_peak``: :attr:`Estimate.expert_load` and
+    :attr:`Estimate.expert_load_peak` (the plan command's ``--expert-load`` and ``--expert-load-peak``)."""
     traced = {} if traced is None else traced
-    if expert_load != 1 and plan.model.experts is None:
-        raise ConfigError("--expert-load", f"model '{plan.model.family}' has no experts to route unevenly",
-                          "leave --expert-load out for a dense model")
+    for flag, load in (("--expert-load", expert_load), ("--expert-load-peak", expert_load_peak)):
+        if load not in (1, None) and plan.model.experts is None:
+            raise ConfigError(flag, f"model '{plan.model.family}' has no experts to route unevenly",
+                              f"leave {flag} out for a dense model")
 
     def facts_in(dtype: torch.dtype):
         if dtype not in traced:
@@ -38,7 +40,7 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
 
     training = config.training
     result = Estimate(config=config, plan=plan, hardware=hardware, facts_in=facts_in,
-                      device_type=hardware.device_type, expert_load=expert_load,
+                      device_type=hardware.device_type, expert_load=expert_load, expert_load_peak=expert_load_peak,
                       blocks=list(range(plan.model.n_layers)),
                       microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps,
                       # the core's mixed precision (a plugin providing its own sets the dtype in estimate_costs)
@@ -63,15 +65,16 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     return result
 
 
-def planned_job(overrides: list[str], hardware: Hardware, expert_load: float = 1.0) -> tuple[Plan, Estimate]:
+def planned_job(overrides: list[str], hardware: Hardware, expert_load: float = 1.0,
+                expert_load_peak: float | None = None) -> tuple[Plan, Estimate]:
     """The plan and the estimate on ``hardware`` of the job ``overrides`` describe, composed and checked as
-    ``python -m titan_core.run`` checks it, its experts routed as unevenly as ``expert_load`` says; raises
-    ConfigError on bad input."""
+    ``python -m titan_core.run`` checks it, its experts routed as unevenly as ``expert_load`` (over the step) and
+    ``expert_load_peak`` (over the busiest micro-batch) say; raises ConfigError on bad input."""
     config = composed(overrides)
     registry = Registry(config)
     plan = build_plan(config, registry, None, load_tokenizer(config.tokenizer).vocab_size)
     check_job(config, plan)
-    return plan, estimate(config, plan, registry, hardware, expert_load=expert_load)
+    return plan, estimate(config, plan, registry, hardware, expert_load=expert_load, expert_load_peak=expert_load_peak)
 
 
 def report(result: Estimate) -> str:

@@ -78,9 +78,12 @@ class Estimate:
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
     block recomputes in backward what it did not keep), ``expert_load`` (rows the busiest rank's experts compute
-    per token copy it routes, 1 when evenly routed: the busiest rank's experts keep and compute that much more;
-    a run logs it as ``expert_rank_load_max``, the plan command takes it as ``--expert-load``),
-    ``expert_copies_held`` (copies of a block's token copies, at ``expert_load``, that a plugin's experts call holds
+    per token copy it routes, 1 when evenly routed: the busiest rank's experts compute that much more; a run
+    logs it as ``expert_rank_load_max``, the plan command takes it as ``--expert-load``), ``expert_load_peak``
+    (the same over the busiest micro-batch, which a step's memory peak meets: its experts keep that much more;
+    logged as ``expert_rank_load_peak``, taken as ``--expert-load-peak``; None: ``expert_load``; read it as
+    :attr:`peak_expert_load`),
+    ``expert_copies_held`` (copies of a block's token copies, at the peak load, that a plugin's experts call holds
     beside the core layer's while the experts compute: expert parallel's arrived copies, 1; what a block
     recomputing in backward holds beside what it keeps).
 
@@ -124,6 +127,7 @@ class Estimate:
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     expert_load: float = 1.0
+    expert_load_peak: float | None = None
     expert_copies_held: float = 0.0
     recomputed_fraction: float = 0.0
     matmul_speedup: float = 1.0
@@ -228,11 +232,17 @@ class Estimate:
         """Tokens of one micro-batch on this rank."""
         return self.microbatch_rows * self.seq_len / self.sequence_split
 
-    def saved(self, index: int) -> float:
+    @property
+    def peak_expert_load(self) -> float:
+        """The expert load memory is planned at: the busiest micro-batch's, or ``expert_load`` when not given."""
+        return self.expert_load if self.expert_load_peak is None else self.expert_load_peak
+
+    def saved(self, index: int, expert_load: float | None = None) -> float:
         """Bytes per token block ``index`` would keep on this rank without activation checkpointing: its experts'
-        share grown by ``expert_load``."""
+        share grown by ``expert_load`` (the peak's when not given)."""
         facts = self.facts
-        experts_more = (self.expert_load - 1) * facts.block_expert_saved[index]
+        experts_more = ((self.peak_expert_load if expert_load is None else expert_load) - 1
+                        ) * facts.block_expert_saved[index]
         return (facts.block_saved[index] + experts_more) / self.activation_split
 
     def kept(self, index: int) -> float:
@@ -248,7 +258,7 @@ class Estimate:
         """Bytes per token block ``index``'s forward holds at once on this rank beyond what it keeps: what it holds
         beside that when it runs again in backward."""
         facts = self.facts
-        copies = self.expert_copies_held * self.expert_load * facts.block_expert_input[index]
+        copies = self.expert_copies_held * self.peak_expert_load * facts.block_expert_input[index]
         return (facts.block_forward[index] + copies) / self.activation_split
 
     def uneven_expert_flops(self) -> float:
@@ -387,7 +397,7 @@ class Estimate:
         matmul = ((self.step_flops() * (1 + self.recomputed_fraction) + self.uneven_expert_flops()) / self.matmul_speedup
                   + evaluated(self.optimizer_flops, self)) / (hardware.matmul_tflops() * 1e12)
         facts = self.facts
-        produced = (sum(self.saved(i) for i in self.blocks)
+        produced = (sum(self.saved(i, self.expert_load) for i in self.blocks)
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
         tokens = self.microbatch_tokens * self.microbatches_per_step()
         elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)

@@ -40,9 +40,9 @@ def _value(value) -> str:
 
 
 def recommend(config, hardware: Hardware, vocab_size: int, expert_load: float = 1.0,
-              top: int = 5) -> tuple[list[Candidate], int]:
-    """The ``top`` fitting plans by predicted tokens/s/device (experts routed as unevenly as ``expert_load`` says),
-    and how many combinations were tried."""
+              expert_load_peak: float | None = None, top: int = 5) -> tuple[list[Candidate], int]:
+    """The ``top`` fitting plans by predicted tokens/s/device (experts routed as unevenly as ``expert_load`` and
+    ``expert_load_peak`` say), and how many combinations were tried."""
     world = config.launch.world_size
     if not world:
         raise ConfigError("launch.world_size", "--recommend plans for a cluster and needs its size",
@@ -57,14 +57,14 @@ def recommend(config, hardware: Hardware, vocab_size: int, expert_load: float = 
                                         model=model, world_size=world, hardware=hardware) or [{}] for name in names}
     combinations = [dict(zip(alternatives, values)) for values in itertools.product(*alternatives.values())]
     traced = {}  # the model's facts, measured once for every candidate
-    estimated = (_estimated(config, choice, registry, hardware, vocab_size, traced, expert_load)
+    estimated = (_estimated(config, choice, registry, hardware, vocab_size, traced, expert_load, expert_load_peak)
                  for choice in combinations)
     fitting = [c for c in estimated if c is not None and c.memory_gib <= hardware.usable_gib]
     return sorted(fitting, key=lambda c: -c.tokens_per_device)[:top], len(combinations)
 
 
 def _estimated(config, choice: dict, registry: Registry, hardware: Hardware, vocab_size: int,
-               traced: dict, expert_load: float) -> Candidate | None:
+               traced: dict, expert_load: float, expert_load_peak: float | None) -> Candidate | None:
     values = OmegaConf.to_container(config)
     values["plugins"] = {name: {**values["plugins"][name], **options} for name, options in choice.items()
                          if options is not None}
@@ -72,9 +72,10 @@ def _estimated(config, choice: dict, registry: Registry, hardware: Hardware, voc
     try:
         plan = build_plan(job, registry, None, vocab_size)
         check_job(job, plan)
-        result = estimate(job, plan, registry, hardware, traced=traced, expert_load=expert_load)
+        result = estimate(job, plan, registry, hardware, traced=traced, expert_load=expert_load,
+                          expert_load_peak=expert_load_peak)
     except ConfigError as error:
-        if error.field in ("model.name", "--expert-load"):  # the model itself cannot be planned: no candidate can
+        if error.field in ("model.name", "--expert-load", "--expert-load-peak"):  # the model itself cannot be planned: no candidate can
             raise
         return None  # a plan some plugin or the core refuses is not a candidate
     rank = result.most_loaded()

@@ -398,9 +398,11 @@ def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group,
     for layer in (1, 2, 3):
         model.layers[str(layer)].mlp.gate.register_forward_hook(
             lambda module, args, out, layer=layer: chosen.setdefault(layer, []).append(out[1].flatten()))
-    model(TOKENS)  # training forwards (an evaluation's, under no_grad, are not counted)
-    model(TOKENS[:1])
-    with torch.no_grad():
+    plugin = Qwen3MoePlugin()
+    for micro_batch in (TOKENS, TOKENS[:1]):  # training micro-batches, as the step runs them
+        with plugin.batch_context(model_parts=[model]):
+            model(micro_batch)
+    with torch.no_grad(), plugin.batch_context(model_parts=[model]):  # an evaluation's, not counted
         model(TOKENS)
     for layer in (1, 2, 3):
         chosen[layer] = chosen[layer][:2]  # the router chose for the evaluation too
@@ -409,15 +411,22 @@ def test_routing_metrics_are_the_routers_load_since_the_last_log(one_rank_group,
         assert counted.sum() == 3 * 32 * 2  # both calls, every token's two copies
 
     # This CPU's kernel pads every expert's batch to its busiest expert's: 8 x the most copies, per call.
-    padded = sum(8 * int(torch.bincount(call, minlength=8).max()) for layer in (1, 2, 3) for call in chosen[layer])
-    copies = sum(len(call) for layer in (1, 2, 3) for call in chosen[layer])
+    def rows_and_copies(calls):
+        return (sum(8 * int(torch.bincount(chosen[layer][call], minlength=8).max()) for layer in (1, 2, 3)
+                    for call in calls), sum(len(chosen[layer][call]) for layer in (1, 2, 3) for call in calls))
+
+    padded, copies = rows_and_copies((0, 1))
+    busiest_micro_batch = max(rows / routed for rows, routed in (rows_and_copies((0,)), rows_and_copies((1,))))
 
     for layer, counts in zip((1, 2, 3), ([4, 4, 4, 4, 4, 4, 4, 4], [8, 0, 4, 4, 4, 4, 4, 4], [2, 6, 4, 4, 4, 4, 4, 4])):
         model.layers[str(layer)].mlp.tokens_per_expert.copy_(torch.tensor(counts))
-    metrics = Qwen3MoePlugin().step_metrics(model_parts=[model], step=10, plan=Plan((), {}, 1, describe(model.args)))
-    rank_load = metrics.pop("expert_rank_load_max")
+    plan = Plan((), {}, 1, describe(model.args))
+    metrics = plugin.step_metrics(model_parts=[model], step=10, plan=plan)
+    rank_load, peak = metrics.pop("expert_rank_load_max"), metrics.pop("expert_rank_load_peak")
     assert metrics == {"expert_load_min": 0.0, "expert_load_max": 2.0, "idle_experts": 1}
     assert rank_load == pytest.approx(padded / copies) and rank_load > 1.2
+    assert peak == pytest.approx(busiest_micro_batch) and peak > rank_load + 0.05  # 1.5 against 1.43 here
+    assert plugin.step_metrics(model_parts=[model], step=11, plan=plan)["expert_rank_load_peak"] == 1  # reset
     assert all(model.layers[str(layer)].mlp.tokens_per_expert.sum() == 0 for layer in (1, 2, 3))  # read and reset
     assert all(model.layers[str(layer)].mlp.experts.copies_routed == 0 for layer in (1, 2, 3))
 
