@@ -5,7 +5,8 @@
 Every combination trains the same model on the same global batches; the table gives the median
 ``step_time_s`` of ``metrics.jsonl`` after the warm-up steps and its ratio to the single-process run
 (> 1: slower than one process), beside the ratio the planner predicts (``python -m titan_core.planner
---hardware cpu-measured``). Extra arguments are Hydra overrides for every run (e.g. ``model=tiny``).
+--hardware cpu-measured``) and its step time; the errors are of tokens/s, relative to one process and as
+printed, the figures of ``titan_core/planner/accuracy.py``'s CPU bands. Extra arguments are Hydra overrides for every run (e.g. ``model=tiny``).
 On a shared machine run it alone (``flock /tmp/titan-cpu.lock python bench/parallel_step_time.py``):
 the figures are wall-clock times, and several processes share the machine's cores.
 """
@@ -30,6 +31,9 @@ COMBINATIONS = {
     "cp 2, alltoall": ["+plugins=[cp]", "plugins.cp.degree=2", "plugins.cp.rotate_method=alltoall"],
     "cp 2 x fsdp 2": ["+plugins=[cp,fsdp]", "plugins.cp.degree=2", "plugins.fsdp.degree=2"],
     "tp 2 x cp 2": ["+plugins=[tp,cp]", "plugins.tp.degree=2", "plugins.cp.degree=2"],
+    # Eight workers, four to a core of this machine's two.
+    "fsdp 8": ["+plugins=[fsdp]", "plugins.fsdp.degree=8"],
+    "fsdp 4 x tp 2": ["+plugins=[fsdp,tp]", "plugins.fsdp.degree=4", "plugins.tp.degree=2"],
 }
 DEFAULTS = ("model=debug", "tokenizer.path=bytes", "training.seq_len=256", "training.global_batch_size=8",
             "training.steps=12", "metrics.log_every=1", "metrics.tensorboard=false", "metrics.peak_tflops=1")
@@ -53,10 +57,24 @@ def main() -> None:
     cpu = cpu_measured()
     predicted = {name: job_estimate([*DEFAULTS, *combination, *overrides, "launch.device=cpu"], cpu)[1]
                  .most_loaded().step_seconds()["step"] for name, combination in COMBINATIONS.items()}
-    print(f"{'combination':<28} {'median s/step':>14} {'vs 1 process':>13} {'planner':>9}   ({out})")
+    # Errors of tokens/s (predicted / measured - 1, as accuracy.py's bands): relative to one process (what a
+    # profile calibrated on one process would show) and as the cpu-measured profile prints them.
+    print(f"{'combination':<28} {'median s/step':>14} {'vs 1 process':>13} {'planner':>9} {'error':>7} "
+          f"{'planner s/step':>15} {'error':>7}   ({out})")
+    relative_errors, printed_errors = [], []
     for name, seconds in times.items():
         planned = predicted[name] / predicted["1 process"]
-        print(f"{name:<28} {seconds:>14.4f} {seconds / single:>12.2f}x {planned:>8.2f}x")
+        relative = (seconds / single) / planned - 1
+        printed = seconds / predicted[name] - 1
+        printed_errors.append(printed)
+        if name != "1 process":
+            relative_errors.append(relative)
+        print(f"{name:<28} {seconds:>14.4f} {seconds / single:>12.2f}x {planned:>8.2f}x {relative:>+7.0%} "
+              f"{predicted[name]:>15.4f} {printed:>+7.0%}")
+    for what, errors in (("relative to one process", relative_errors), ("as printed", printed_errors)):
+        worst = max(errors, key=abs)
+        print(f"tokens/s {what}: mean |error| {statistics.mean(map(abs, errors)):.0%}, worst {worst:+.0%}, "
+              f"{len(errors)} plans")
 
 
 if __name__ == "__main__":
