@@ -19,6 +19,11 @@ log = logging.getLogger("titan_core")
 IDLE_WARNING_STEPS = 100  # an expert that no token chose for this many steps is reported once
 
 
+def moe_layers(model_parts) -> list[MoE]:
+    """Every MoE layer of this rank's model parts."""
+    return [module for part in model_parts for module in part.modules() if isinstance(module, MoE)]
+
+
 def global_counts(model_parts, plan, buffer: str) -> tuple[dict[int, MoE], torch.Tensor]:
     """This rank's MoE layers by block index, and (blocks, experts): the token copies each expert of each block
     received over the whole job, read from every layer's ``buffer``, which is reset. Every rank must call it."""
@@ -40,11 +45,11 @@ def share_token_groups(model_parts, mesh, plan) -> None:
     if not plan.model.args.router_aux_loss_coef:
         return
     sharing = mesh.submesh((CP, TP))
-    for part in model_parts:
-        for module in part.modules():
-            if isinstance(module, MoE) and sharing is not None and sharing.size() > 1:
-                module.token_group, module.token_group_size = sharing.get_group(), sharing.size()
-                module.aux_loss_scale = float(plan.degree(CP))
+    if sharing is None or sharing.size() == 1:
+        return
+    for module in moe_layers(model_parts):
+        module.token_group, module.token_group_size = sharing.get_group(), sharing.size()
+        module.aux_loss_scale = float(plan.degree(CP))
 
 
 def update_routing_bias(model_parts, plan) -> None:
@@ -78,7 +83,7 @@ def rank_load(model_parts) -> float:
     """The rows this rank's experts computed per token copy it routed to them since the last call, which resets
     the counts (0 without a call): expert parallel's ranks receiving more copies than they send, the padded
     kernel's padding."""
-    experts = [module.experts for part in model_parts for module in part.modules() if isinstance(module, MoE)]
+    experts = [layer.experts for layer in moe_layers(model_parts)]
     rows, routed = _computed(experts)
     for module in experts:
         module.rows_computed = module.copies_routed = 0
@@ -100,7 +105,7 @@ class MicroBatchLoads:
     @contextlib.contextmanager
     def measuring(self, model_parts):
         """Around one micro-batch's forward and backward: keeps its load when it is the busiest yet."""
-        experts = [module.experts for part in model_parts for module in part.modules() if isinstance(module, MoE)]
+        experts = [layer.experts for layer in moe_layers(model_parts)]
         rows, routed = _computed(experts)
         yield
         more_rows, more_routed = _computed(experts)
@@ -121,7 +126,7 @@ class MicroBatchLoads:
 def mean_balance_loss(model_parts, sharing: int) -> float:
     """The balance loss of a MoE layer and micro-batch, averaged over the forwards since the last log; every
     rank must call it. A forward's loss is split in parts over the ``sharing`` ranks holding its tokens."""
-    layers = [module for part in model_parts for module in part.modules() if isinstance(module, MoE)]
+    layers = moe_layers(model_parts)
     totals = torch.zeros(2, device=next(model_parts[0].buffers()).device)
     for module in layers:
         totals += torch.stack([module.aux_loss_parts, module.aux_loss_forwards.float()])
