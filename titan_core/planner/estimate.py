@@ -22,6 +22,7 @@ from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered")  # when a memory term is held
 HOLDINGS = ("blocks", "holds_inputs", "holds_outputs")  # the fields an entry of Estimate.ranks may set
 
 
@@ -72,7 +73,12 @@ class Estimate:
     weight half needs, in the same units: zero-bubble schedules), both at the rank's worst backward once earlier
     micro-batches' gradients exist, and ``first_backward`` (the two at the rank's first backward of a step, before
     any gradient exists, when it keeps more: a pipeline's warm-up; None: none does; each of the three a value or a
-    function of the estimate), ``logits_tokens`` (tokens
+    function of the estimate), ``backward_regathers`` (whether a forward runs before the rank's worst later
+    backward since its previous one, so that weights resharded after forward are gathered again as that backward
+    reaches them; False: an earlier backward left them gathered, a pipeline's cool-down; a value or a function
+    of the estimate), ``backward_prefetch`` (blocks ahead of the one running backward whose weights a sharder
+    gathers early, but for experts split over other ranks, which are a unit of their own: of the weights of
+    terms added ``when="regathered"``), ``logits_tokens`` (tokens
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
     forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
@@ -124,6 +130,8 @@ class Estimate:
     microbatches_in_flight: float | Callable[[Estimate], float] = 1
     weight_halves_waiting: float | Callable[[Estimate], float] = 0
     first_backward: tuple[float, float] | Callable[[Estimate], tuple[float, float] | None] | None = None
+    backward_regathers: bool | Callable[[Estimate], bool] = True
+    backward_prefetch: int = 0
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     expert_load: float = 1.0
@@ -162,17 +170,20 @@ class Estimate:
     def add_memory(self, category: str, nbytes, what: str, plugin: str, when: str | None = None) -> None:
         """Memory this plugin alone holds (``buffers`` for communication buffers): throughout the step, or only
         ``when`` it is ``"start"`` (as backward starts), ``"blocks"`` (while the blocks run backward and after),
-        ``"end"`` (after the blocks' backward: the embeddings', every gradient made) or ``"accumulated"`` (growing
-        as the gradients are made and kept across micro-batches: none before the step's first backward), the
+        ``"end"`` (after the blocks' backward: the embeddings', every gradient made), ``"accumulated"`` (growing
+        as the gradients are made and kept across micro-batches: none before the step's first backward) or
+        ``"regathered"`` (weights resharded after forward that backward gathers again and keeps: each block's as
+        backward reaches or prefetches it, ``backward_prefetch``, the rest of the rank's from its start; all of
+        them at a later backward with no forward since the previous one, see ``backward_regathers``), the
         moments :meth:`memory` weighs for the peak.
 
         ``nbytes`` may be a function of the estimate, called when it is summed: it then sees the fields as every
         plugin left them (the dtype FSDP computes in, the blocks each pipeline rank holds)."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
-        if when not in (None, "start", "blocks", "end", "accumulated"):
-            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end' or "
-                             "'accumulated'")
+        if when not in MOMENTS:
+            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end', "
+                             "'accumulated' or 'regathered'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
     def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,
@@ -303,15 +314,17 @@ class Estimate:
         keeps more micro-batches, of that one, before any gradient exists (unless an earlier accumulation step
         made them)."""
         later = (evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self))
-        moments = [(*later, self.gradients_at_peak())]
+        moments = [(*later, self.gradients_at_peak(), evaluated(self.backward_regathers, self))]
         first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
         if first is not None and (first[0] > later[0] or first[1] > later[1]):  # else it keeps no more, no gradient
-            moments.append((*first, self.grad_accum > 1))
+            moments.append((*first, self.grad_accum > 1, True))  # the step's first backward follows a forward
         return max((self._backward_peak(*moment) for moment in moments), key=lambda memory: sum(memory.values()))
 
-    def _backward_peak(self, in_flight: float, waiting: float, accumulated: bool) -> dict[str, float]:
+    def _backward_peak(self, in_flight: float, waiting: float, accumulated: bool, regathers: bool) -> dict[str, float]:
         """Bytes per category at the peak of one micro-batch's backward, with ``in_flight`` micro-batches'
-        activations kept and ``waiting`` weight halves, every gradient existing throughout if ``accumulated``.
+        activations kept and ``waiting`` weight halves, every gradient existing throughout if ``accumulated``,
+        the weights of terms added ``when="regathered"`` gathered as backward reaches them if ``regathers``, else
+        all of them.
 
         As backward starts, every block keeps its activations and the loss and outputs make their gradients (the
         logits'). Then block by block, last first: the blocks before it still keep theirs, it recomputes what it
@@ -334,11 +347,23 @@ class Estimate:
         trained = self.trained_share
         all_gradients = 4 * state * trained
         made = 4 * trained * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # blocks' come later
-        start, blocks, end, grown = ({category: 0.0 for category in CATEGORIES} for _ in range(4))
+        start, blocks, end, grown, regathered = ({category: 0.0 for category in CATEGORIES} for _ in range(5))
         memory = {category: 0.0 for category in CATEGORIES}
         for category, _, nbytes, _, when in self.memory_terms:
-            {"start": start, "blocks": blocks, "end": end, "accumulated": grown, None: memory}[when][category] += \
-                evaluated(nbytes, self)
+            {"start": start, "blocks": blocks, "end": end, "accumulated": grown, "regathered": regathered,
+             None: memory}[when][category] += evaluated(nbytes, self)
+        # Of the rank's gathered weights, those backward has reached as it starts (all but the blocks'), then as
+        # each block runs (it, the blocks after it and those prefetched before it), and at the end.
+        whole = self.held_gathered() or 1.0
+
+        def not_reached(position: int) -> float:
+            ahead = self.blocks[max(0, position - self.backward_prefetch):position]
+            return sum(map(self.block_gathered, self.blocks[:position])) - sum(
+                self.block_gathered(i) - (self.expert_split > 1) * self.facts.block_expert_params[i] / self.expert_split
+                for i in ahead)
+        reached = [1 - not_reached(len(self.blocks)) / whole if regathers else 1.0]
+        reached += [1 - not_reached(position) / whole if regathers else 1.0
+                    for position in reversed(range(len(self.blocks)))] + [1.0]
         # (activations, gradients, this moment's own terms)
         phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
         for position in reversed(range(len(self.blocks))):
@@ -354,7 +379,8 @@ class Estimate:
         if accumulated:
             phases = [(activations, all_gradients, own) for activations, _, own in phases]
         phases = [(activations, gradients, {category: own[category] + grown[category] * gradients / (all_gradients or 1)
-                                            for category in CATEGORIES}) for activations, gradients, own in phases]
+                                            + regathered[category] * share for category in CATEGORIES})
+                  for (activations, gradients, own), share in zip(phases, reached)]
         activations, gradients, own = max(phases, key=lambda phase: phase[0] + phase[1] + sum(phase[2].values()))
         memory["parameters"] += 4 * state
         memory["gradients"] += gradients

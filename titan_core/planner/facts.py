@@ -33,7 +33,7 @@ from titan_core.parameter_roles import parameter_role
 
 # Positions traced (at most): enough for every shape to be general, few enough to be instant for 405B.
 TRACE_TOKENS = 64
-MATMULS = ("mm", "_scaled_mm")  # a linear's matmul, in full precision and in float8
+MATMULS = ("mm", "_scaled_mm", "addmm")  # a linear's matmul: in full precision, in float8, with its bias
 ALTERNATE_MATMULS = "every other matmul"  # block_made's key for the 1st, 3rd, ... matmul of a block
 
 

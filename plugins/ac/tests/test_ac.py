@@ -96,22 +96,42 @@ def test_every_other_matmul_is_recomputed_as_torchtitan_does_and_no_number_chang
     assert runs["every_other"][0]["ACT"] < runs["all"][0]["ACT"]
 
 
+DEFAULT_SAVE_OPS = list(OmegaConf.load(Path(titan_ac.__file__).parent / "conf" / "plugins" / "ac.yaml").ac.save_ops)
+
+
+def _recomputed(block: torch.nn.Module, op, save_ops) -> int:
+    """Calls of ``op`` in the backward of ``block`` checkpointed with selective_op, keeping ``save_ops``."""
+    layers = torch.nn.ModuleDict({"0": block})
+    apply_ac(layers, "selective_op", save_ops=save_ops)
+    out = layers["0"](torch.randn(8, 16, requires_grad=True))
+    with OpCount(op) as count:
+        out.sum().backward()
+    return count.calls
+
+
+class Float8Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 16))
+
+    def forward(self, x):
+        return torch.relu(ScaledMatmul.apply(x, self.weight))
+
+
 def test_selective_op_keeps_float8_matmuls_as_it_keeps_matmuls():
     """With the default save_ops no ``_scaled_mm`` runs again in backward; with ``mm`` alone (the old default)
     the checkpointed block recomputed it."""
-    defaults = OmegaConf.load(Path(titan_ac.__file__).parent / "conf" / "plugins" / "ac.yaml").ac.save_ops
-    recomputed = {}
-    for name, save_ops in {"default": list(defaults), "mm alone": ["mm"]}.items():
-        weight = torch.nn.Parameter(torch.randn(32, 16))
-        block = torch.nn.Module()
-        block.forward = lambda x: torch.relu(ScaledMatmul.apply(x, weight))
-        layers = torch.nn.ModuleDict({"0": block})
-        apply_ac(layers, "selective_op", save_ops=save_ops)
-        out = layers["0"](torch.randn(8, 16, requires_grad=True))
-        with OpCount(torch.ops.aten._scaled_mm) as count:
-            out.sum().backward()
-        recomputed[name] = count.calls
-    assert recomputed == {"default": 0, "mm alone": 1}
+    assert [_recomputed(Float8Block(), torch.ops.aten._scaled_mm, ops) for ops in (DEFAULT_SAVE_OPS, ["mm"])] == [0, 1]
+
+
+def test_selective_op_keeps_a_biased_linears_matmul():
+    """A linear with a bias computes one ``addmm`` (gpt-oss's attention): with the default save_ops none runs again
+    in backward, as its float8 version keeps its ``mm``; with the matmuls alone (the old default) the checkpointed
+    block recomputed it, so that a float8 block kept what the same block in bf16 did not."""
+    def linear():
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
+    assert [_recomputed(linear(), torch.ops.aten.addmm, ops)
+            for ops in (DEFAULT_SAVE_OPS, ["mm", "_scaled_mm"])] == [0, 1]
 
 
 def test_parameter_names_stay_canonical():

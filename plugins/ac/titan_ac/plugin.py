@@ -18,7 +18,7 @@ from titan_core import SPLIT_BACKWARD, ConfigError, Declaration, hookimpl, lacks
 STAGE = 400  # after TP/CP rewrote the block, so recomputation replays their collectives too; before compile
 MODES = ("full", "selective_op", "selective_layer")
 MATMUL_POLICIES = ("all", "every_other")  # of the matmuls save_ops names, keep all or the 1st, 3rd, ... (TorchTitan's)
-MATMULS = ("mm", "_scaled_mm")
+MATMULS = ("mm", "_scaled_mm", "addmm")
 # Profiler ranges are markers, not results. FSDP opens them in its hooks, which run a different number of
 # times in forward and in recomputation when an FSDP unit sits inside a checkpointed block (expert
 # parallel's experts): counted as ops, they failed backward with "invocation index ... not found".

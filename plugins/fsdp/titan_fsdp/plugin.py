@@ -185,10 +185,14 @@ def estimate_costs(estimate, plugin_config, plan):
         return (e.held_gathered() * reduce_bytes - 4 * e.sharded_params()) * e.trained_share
 
     if pipelined:
-        # torch's pipeline stages keep their FSDP weights gathered and their gradients unreduced until the
-        # last micro-batch's backward: whole, for every block of the rank.
+        # torch's pipeline stages keep their FSDP weights gathered after each backward and their gradients
+        # unreduced until the last micro-batch's: whole, for every block of the rank. Resharded after forward
+        # (always), a backward that follows a forward gathers them again block by block.
         estimate.add_memory("buffers", lambda e: e.held_gathered() * gathered_bytes(e),
-                            "weights gathered for the whole step (pipeline)", "fsdp")
+                            "weights gathered again by backward and kept (pipeline)" if resharded
+                            else "weights gathered for the whole step (pipeline)", "fsdp",
+                            when="regathered" if resharded else None)
+        estimate.backward_prefetch = max(plugin_config.prefetch, 1)  # FSDP2 prefetches one block unasked
         estimate.add_memory("buffers", unreduced, "gradients accumulated whole until the last micro-batch, beyond "
                             "their shards (pipeline)", "fsdp", when="accumulated")
         return

@@ -209,8 +209,9 @@ def estimate_costs(estimate, plugin_config, plan):
 
     def held(rank: int) -> dict:
         """The fields saying how many micro-batches rank ``rank`` keeps at its first backward of a step and at
-        its worst later one, in units of all its blocks: for several stages a rank, as torch's order of its
-        actions has them."""
+        its worst later one, in units of all its blocks (for several stages a rank, as torch's order of its
+        actions has them), and whether a forward runs before that later one (else the weights an earlier
+        backward gathered are still gathered: a cool-down)."""
         if microbatches == 1:
             return {}
         if not kind.looped or plugin_config.schedule == "LoopedBFS":
@@ -218,7 +219,9 @@ def estimate_costs(estimate, plugin_config, plan):
             # only when the warm-up is all there is.
             everything_first = plugin_config.schedule in ("GPipe", "LoopedBFS")
             first = microbatches if everything_first else min(microbatches, degree - rank)
-            return dict(first_backward=(first, 0), microbatches_in_flight=min(first, microbatches - 1 / chunks))
+            # Only a warm-up of one forward (1F1B's last stage) runs a forward before each backward.
+            return dict(first_backward=(first, 0), microbatches_in_flight=min(first, microbatches - 1 / chunks),
+                        backward_regathers=first == 1)
         stages = layout.stages_of(rank)
         first, *later = backward_moments(torch_order(plugin_config.schedule, layout, rank), stages)
         later = _undominated(later)
@@ -236,8 +239,9 @@ def estimate_costs(estimate, plugin_config, plan):
             kept, made = per_stage(e)
             return max((units(moment, kept, made) for moment in later),
                        key=lambda u: u[0] * sum(kept) + u[1] * sum(made))
+        # The worst later backward may follow backwards of the same stages: counted as gathered by them.
         return dict(first_backward=lambda e: units(first, *per_stage(e)), microbatches_in_flight=lambda e: worst(e)[0],
-                    weight_halves_waiting=lambda e: worst(e)[1])
+                    weight_halves_waiting=lambda e: worst(e)[1], backward_regathers=False)
 
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
                            holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r))
@@ -245,7 +249,7 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.blocks = estimate.ranks[0]["blocks"]
     # What each rank keeps in flight is a function of the rank, so that a plugin after this one can wrap it.
     kept = [held(r) for r in range(degree)]
-    for name in ("first_backward", "microbatches_in_flight", "weight_halves_waiting"):
+    for name in ("first_backward", "microbatches_in_flight", "weight_halves_waiting", "backward_regathers"):
         setattr(estimate, name, _of_rank(kept, name, getattr(estimate, name)))
     rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
     estimate.bubble = (degree - 1) / (rounds + degree - 1)
