@@ -34,6 +34,8 @@ from titan_core.parameter_roles import parameter_role
 # Positions traced (at most): enough for every shape to be general, few enough to be instant for 405B.
 TRACE_TOKENS = 64
 MATMULS = ("mm", "_scaled_mm", "addmm")  # a linear's matmul: in full precision, in float8, with its bias
+# Every matrix product's op (the linears' and the experts'), and which argument's last dimension it sums over.
+PRODUCTS = {"mm": 0, "_scaled_mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_grouped_mm": 0}
 ALTERNATE_MATMULS = "every other matmul"  # block_made's key for the 1st, 3rd, ... matmul of a block
 
 
@@ -49,7 +51,9 @@ class ModelFacts:
     of ``block_saved[i]`` shaped like that stream, or flattened to rows of its width (what tensor parallel leaves
     whole: it splits heads and hidden units, not the stream); ``block_made[i]``: bytes per token of the results
     of each aten op of block ``i``, by op name (what selective checkpointing chooses among), and of its 1st,
-    3rd, ... matmuls (:meth:`made_by` with ``every_other_matmul``);
+    3rd, ... matmuls (:meth:`made_by` with ``every_other_matmul``); ``block_product_flops[i]``: forward FLOPs per
+    token of block ``i``'s matrix products, by op name and likewise (what selective checkpointing runs again of
+    them: :meth:`rerun_flops`);
     ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
     ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
@@ -80,6 +84,7 @@ class ModelFacts:
     outer_saved: float
     outer_logits: float
     block_made: tuple[dict[str, float], ...]
+    block_product_flops: tuple[dict[str, float], ...]
     attention_kv: float
     buffer_bytes: int
     block_backward: tuple[float, ...]
@@ -103,10 +108,19 @@ class ModelFacts:
         """Bytes per token of block ``index``'s results of the named aten ops (``attention``: the attention's
         output and log-sum-exp, whichever kernel computes it); of its matmuls among them only the 1st, 3rd, ...
         with ``every_other_matmul``."""
-        made = self.block_made[index]
-        if every_other_matmul and set(ops) & set(MATMULS):
-            ops = [op for op in ops if op not in MATMULS] + [ALTERNATE_MATMULS]
-        return sum(nbytes for op, nbytes in made.items() if op in ops)
+        return _of(self.block_made[index], ops, every_other_matmul)
+
+    def rerun_flops(self, index: int, ops, every_other_matmul: bool = False) -> float:
+        """Forward FLOPs per token of block ``index``'s matrix products whose results a selective checkpoint
+        keeping those of ``ops`` (as :meth:`made_by` takes them) does not keep, and so runs again in backward."""
+        flops = self.block_product_flops[index]
+        return sum(v for op, v in flops.items() if op != ALTERNATE_MATMULS) - _of(flops, ops, every_other_matmul)
+
+
+def _of(table: dict[str, float], ops, every_other_matmul: bool) -> float:
+    if every_other_matmul and set(ops) & set(MATMULS):
+        ops = [op for op in ops if op not in MATMULS] + [ALTERNATE_MATMULS]
+    return sum(value for op, value in table.items() if op in ops)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -131,6 +145,7 @@ class _Tracer(TorchDispatchMode):
         self.kept_alive: list[torch.Tensor] = []  # so that no other storage reuses a recorded one's address
         self.saved: dict[int, tuple[int | None, int, tuple[int, ...]]] = {}  # storage -> block, bytes, shape
         self.made = [{} for _ in range(n_blocks)]
+        self.product_flops = [{} for _ in range(n_blocks)]
         self.param_results = [0.0] * n_blocks
         self.matmuls = 0  # of the block being traced
         self.block_input = 0.0
@@ -159,14 +174,22 @@ class _Tracer(TorchDispatchMode):
                 self.expert_saved[self.block] += storage.nbytes() / self.positions
         return tensor
 
-    def record(self, name: str, *results: torch.Tensor) -> None:
+    def record(self, name: str, args, *results: torch.Tensor) -> None:
         if self.block is not None:
             made, nbytes = self.made[self.block], sum(map(_nbytes, results)) / self.positions
-            made[name] = made.get(name, 0.0) + nbytes
+            flops = self.product_flops[self.block]
+            # A product's FLOPs: two per output element and summed term (a grouped product's row is in one group).
+            product = (2 * results[0].numel() * args[PRODUCTS[name]].shape[-1] / self.positions
+                       if name in PRODUCTS else 0.0)
+            keys = [name]
             if name in MATMULS:
                 self.matmuls += 1
                 if self.matmuls % 2:
-                    made[ALTERNATE_MATMULS] = made.get(ALTERNATE_MATMULS, 0.0) + nbytes
+                    keys.append(ALTERNATE_MATMULS)
+            for key in keys:
+                made[key] = made.get(key, 0.0) + nbytes
+                if product:
+                    flops[key] = flops.get(key, 0.0) + product
 
     def _reads_parameter(self, args) -> bool:
         return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata in self.parameters
@@ -196,7 +219,7 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops[-1 if self.counting is None else self.counting] += 1
         results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
-        self.record(func.overloadpacket.__name__, *results)
+        self.record(func.overloadpacket.__name__, args, *results)
         if self.block is not None and self._reads_parameter(args):
             self.param_results[self.block] += sum(_nbytes(r) for r in results
                                                   if r.untyped_storage()._cdata not in self.learned) / self.positions
@@ -271,7 +294,7 @@ class _FusedAttention(torch.autograd.Function):
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         tracer = _Tracer.active
-        tracer.record("attention", out, lse)
+        tracer.record("attention", (q, k, v), out, lse)
         tracer.attention_kv = max(tracer.attention_kv, (_nbytes(k) + _nbytes(v)) / tracer.positions)
         return out
 
@@ -386,7 +409,8 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
     return ModelFacts(block_params=block_params, inputs_params=counts["inputs"], outputs_params=counts["outputs"],
                       other_params=total - sum(block_params) - counts["inputs"] - counts["outputs"],
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
-                      outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made), attention_kv=tracer.attention_kv,
+                      outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made),
+                      block_product_flops=tuple(tracer.product_flops), attention_kv=tracer.attention_kv,
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
                       block_forward=tuple(tracer.forward_peaks(len(blocks))),
                       block_param_results=tuple(tracer.param_results),

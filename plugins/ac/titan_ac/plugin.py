@@ -113,7 +113,7 @@ FORWARD_SHARE = 1 / 3
 
 
 @hookimpl
-def estimate_costs(estimate, plugin_config):
+def estimate_costs(estimate, plugin_config, plan):
     """ac: checkpointed blocks keep their input (full) or their expensive ops' results (selective_op) and
     run their forward again in backward, one block at a time (what a block did not keep, it recomputes)."""
     mode, every = plugin_config.mode, plugin_config.every
@@ -123,7 +123,11 @@ def estimate_costs(estimate, plugin_config):
         alternate = plugin_config.matmuls == "every_other"
         estimate.keep = lambda index, saved, stream: min(
             saved, stream + estimate.facts.made_by(index, ops, alternate) / estimate.activation_split)
-        # The recomputed ops are the elementwise ones: their FLOPs are negligible, their memory traffic is not.
+        # Backward runs again the matrix products whose results it did not keep (every_other's, the experts'),
+        # and the elementwise ops: their FLOPs are negligible, their memory traffic is not.
+        facts = estimate.facts
+        rerun = sum(facts.rerun_flops(i, ops, alternate) for i in range(len(facts.block_params)))
+        estimate.recomputed_fraction += rerun / plan.model.flops_per_token(estimate.seq_len)
         estimate.elementwise_passes += 1
     else:
         previous = estimate.keep
