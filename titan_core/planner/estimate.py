@@ -77,8 +77,8 @@ class Estimate:
     backward since its previous one, so that weights resharded after forward are gathered again as that backward
     reaches them; False: an earlier backward left them gathered, a pipeline's cool-down; a value or a function
     of the estimate), ``backward_prefetch`` (blocks ahead of the one running backward whose weights a sharder
-    gathers early, but for experts split over other ranks, which are a unit of their own: of the weights of
-    terms added ``when="regathered"``), ``logits_tokens`` (tokens
+    gathers early, of the weights of terms added ``when="regathered"``) and ``prefetched_gathered(e, index)``
+    (what that prefetch gathers of block ``index``; None: all of :meth:`block_gathered`), ``logits_tokens`` (tokens
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
     forward and makes one chunk's again in backward),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
@@ -132,6 +132,7 @@ class Estimate:
     first_backward: tuple[float, float] | Callable[[Estimate], tuple[float, float] | None] | None = None
     backward_regathers: bool | Callable[[Estimate], bool] = True
     backward_prefetch: int = 0
+    prefetched_gathered: Callable[[Estimate, int], float] | None = None
     logits_tokens: int | None = None
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     expert_load: float = 1.0
@@ -221,8 +222,12 @@ class Estimate:
     def block_gathered(self, index: int) -> float:
         """Parameters of block ``index`` this rank computes with, once gathered from any sharding: its share of the
         split weights and of the experts."""
-        experts = self.facts.block_expert_params[index]
-        return (self.facts.block_params[index] - experts) / self.weight_split + experts / self.expert_split
+        return ((self.facts.block_params[index] - self.facts.block_expert_params[index]) / self.weight_split
+                + self.experts_gathered(index))
+
+    def experts_gathered(self, index: int) -> float:
+        """Parameters of block ``index``'s experts this rank computes with: its share of them."""
+        return self.facts.block_expert_params[index] / self.expert_split
 
     def sharded_params(self) -> float:
         """Parameters of the parts this rank holds that it keeps after every split: what its optimizer states and its
@@ -358,9 +363,8 @@ class Estimate:
 
         def not_reached(position: int) -> float:
             ahead = self.blocks[max(0, position - self.backward_prefetch):position]
-            return sum(map(self.block_gathered, self.blocks[:position])) - sum(
-                self.block_gathered(i) - (self.expert_split > 1) * self.facts.block_expert_params[i] / self.expert_split
-                for i in ahead)
+            prefetched = self.prefetched_gathered or Estimate.block_gathered
+            return sum(map(self.block_gathered, self.blocks[:position])) - sum(prefetched(self, i) for i in ahead)
         reached = [1 - not_reached(len(self.blocks)) / whole if regathers else 1.0]
         reached += [1 - not_reached(position) / whole if regathers else 1.0
                     for position in reversed(range(len(self.blocks)))] + [1.0]

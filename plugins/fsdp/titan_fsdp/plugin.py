@@ -193,6 +193,8 @@ def estimate_costs(estimate, plugin_config, plan):
                             else "weights gathered for the whole step (pipeline)", "fsdp",
                             when="regathered" if resharded else None)
         estimate.backward_prefetch = max(plugin_config.prefetch, 1)  # FSDP2 prefetches one block unasked
+        # Experts another plugin split are a unit of their own (_shard_partly_split), gathered only when reached.
+        estimate.prefetched_gathered = lambda e, i: e.block_gathered(i) - (e.expert_split > 1) * e.experts_gathered(i)
         estimate.add_memory("buffers", unreduced, "gradients accumulated whole until the last micro-batch, beyond "
                             "their shards (pipeline)", "fsdp", when="accumulated")
         return
