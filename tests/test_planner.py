@@ -151,6 +151,34 @@ def test_selective_checkpointings_rerun_matmuls_are_the_flops_torch_counts():
     assert predicted * tokens == pytest.approx(flops["every_other"] - flops["all"], rel=0.01)
 
 
+
+@pytest.mark.parametrize("recipe, all_gather", [("tensorwise", True), ("tensorwise", False), ("rowwise", False),
+                                                ("rowwise_with_gw_hp", False)])
+def test_float8s_casts_move_the_rooflines_bytes_of_the_linears_it_converts(recipe, all_gather):
+    """What float8 adds to a step's memory traffic is torchao's roofline count for its recipe (bytes per element of
+    each linear's input, output gradient and weight) over the linears the plugin converts, found among the
+    modules of the converted model: their features per token, their weights per micro-batch, cast on the rank's
+    FSDP shard with float8 all-gathers. The trace's count of each block's linears is what this sums."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from titan_float8.plugin import CAST_BYTES, convert_modules
+
+    config, _, plan, result = _estimate("launch.world_size=2", "+plugins=[fsdp,float8]", "training.grad_accum_steps=2",
+                                        f"plugins.float8.recipe={recipe}",
+                                        f"plugins.float8.fsdp_float8_all_gather={all_gather}")
+    model = build_meta_model(config, plan.model)
+    convert_modules(model, config.plugins.float8, plan)
+    converted = [module for module in model.modules() if isinstance(module, Float8Linear)]
+    assert len(converted) == 7 * plan.model.n_layers  # every block's linears, not the output layer
+    inputs, gradients, weights = CAST_BYTES[recipe]
+    tokens = config.training.global_batch_size * config.training.seq_len / 2  # this rank's, over 2 micro-batches
+    expected = (tokens * sum(inputs * m.in_features + gradients * m.out_features for m in converted)
+                + 2 * weights * sum(m.weight.numel() for m in converted) / (2 if all_gather else 1))
+    (what, nbytes, plugin), = result.traffic_terms
+    assert plugin == "float8" and recipe in what
+    assert evaluated(nbytes, result) == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize("overrides", [
     ("model=gpt_oss_tiny",), ("model=deepseek_v3_tiny",), ("model=gpt_oss_tiny", "+plugins=[ac]", "plugins.ac.mode=full"),
     ("model=deepseek_v3_tiny", "training.grad_accum_steps=2"),
@@ -533,6 +561,36 @@ def test_an_outsiders_optimizer_flops_lengthen_the_step_at_the_matmul_rate(tmp_p
     assert longer == pytest.approx(3e13 / (a100.peak_tflops() * 1e12 * a100.achievable), rel=1e-3)
 
 
+
+# A plugin written from docs/writing-plugins.md that copies every weight once per step in device memory.
+WEIGHT_COPY = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """weightcopy: `copies` copies of the rank's weights a step, read and written in device memory."""
+    estimate.add_traffic(lambda e: plugin_config.copies * 2 * 4 * e.held_gathered(), "weights copied", "weightcopy")
+'''
+
+
+def test_an_outsiders_memory_traffic_lengthens_the_step_at_the_memory_bandwidth(tmp_path):
+    env = install_plugins(tmp_path / "site", {"weightcopy": (WEIGHT_COPY, "copies: 100\n")}, "weightcopy-plugin")
+    a100 = hardware_profile("a100")
+
+    def elementwise(*plugins):
+        done = _plan_command("--hardware", "a100", *SMALL, f"+plugins=[{','.join(plugins)}]", env=env)
+        assert done.returncode == 0, done.stderr
+        return float(done.stdout.split("elementwise ")[1].split(",")[0]), done.stdout
+
+    alone, _ = elementwise()
+    copied, text = elementwise("weightcopy")
+    _, plain = job_estimate(["--hardware", "a100", *SMALL])  # as the command has it
+    moved = 100 * 2 * 4 * plain.held_gathered()
+    assert f"memory traffic weightcopy: weights copied: {moved / 2**20:.2f} MiB per step at 2039 GB/s" in text
+    assert copied - alone == pytest.approx(moved / (a100.memory_gbps * 1e9), rel=1e-3)
+
+
 SPLIT_STREAM = '''
 from titan_core import hookimpl
 
@@ -705,6 +763,55 @@ def test_an_outsiders_change_to_a_per_rank_field_reaches_every_rank(tmp_path):
     wrong = dataclasses.replace(alone, ranks=[{**fields, "microbatches_in_flight": 1} for fields in alone.ranks])
     with pytest.raises(ValueError, match="not 'microbatches_in_flight': give microbatches_in_flight as a function"):
         wrong.each_rank()
+
+
+
+# A plugin written from docs/writing-plugins.md's "regathered" paragraph: weights that leave the device after
+# forward and come back block by block as backward reaches them.
+WEIGHT_STREAM = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """weightstream: its fp32 weights sent to host memory after forward and brought back as backward reaches each
+    block, `ahead` blocks early (none of a block's if not `prefetch_whole`); `all_back`: backward finds them back."""
+    estimate.backward_prefetch = plugin_config.ahead
+    if not plugin_config.prefetch_whole:
+        estimate.prefetched_gathered = lambda e, index: 0.0
+    if plugin_config.all_back:
+        estimate.backward_regathers = False
+    estimate.add_memory("parameters", lambda e: 4 * e.held_gathered(), "weights brought back", "weightstream",
+                        when="regathered")
+'''
+
+
+def test_an_outsiders_weights_brought_back_in_backward_count_what_backward_has_reached(tmp_path):
+    """A term added when="regathered", with Estimate.backward_prefetch, prefetched_gathered and backward_regathers
+    set by a plugin written from docs/writing-plugins.md. The tiny Llama's peak is as backward starts: then it holds
+    the weights outside the blocks and the `ahead` last blocks' (all of them when the plugin says backward finds
+    them back), summed here by hand from the plan's own block sizes."""
+    env = install_plugins(tmp_path / "site", {"weightstream": (
+        WEIGHT_STREAM, "ahead: 0\nprefetch_whole: true\nall_back: false\n")}, "weightstream-plugin")
+
+    def printed(*extra):
+        done = _plan_command("--hardware", "a100", *SMALL, *extra, env=env)
+        assert done.returncode == 0, done.stderr
+        return (_printed_bytes(done.stdout, "at its peak:"), _printed_bytes(done.stdout, "    activations"),
+                done.stdout)
+
+    *_, plain = _estimate()  # parameters per block, whatever the dtype
+    blocks = [plain.block_gathered(i) for i in plain.blocks]
+    outside = plain.held_gathered() - sum(blocks)
+    alone, activations, _ = printed()
+    for extra, held in [((), outside), (("plugins.weightstream.ahead=1",), outside + blocks[-1]),
+                        (("plugins.weightstream.ahead=1", "plugins.weightstream.prefetch_whole=false"), outside),
+                        (("plugins.weightstream.all_back=true",), outside + sum(blocks))]:
+        total, streamed_activations, text = printed("+plugins=[weightstream]", *extra)
+        assert streamed_activations == activations, extra  # the peak is still as backward starts
+        assert total == pytest.approx(alone + 4 * held, abs=0.011 * 2**20), extra  # two printed roundings
+        assert "weightstream: weights brought back" in text and "(as backward reaches each block)" in text
+    assert 4 * blocks[-1] > 0.1 * 2**20  # a block more or less moves the total beyond the printed rounding
 
 
 MOMENTUM = '''

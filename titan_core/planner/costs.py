@@ -95,7 +95,8 @@ def report(result: Estimate) -> str:
             if term_category == category:
                 moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)",
                           "end": " (after the blocks' backward)",
-                          "accumulated": " (as the gradients accumulate)"}.get(when, "")
+                          "accumulated": " (as the gradients accumulate)",
+                          "regathered": " (as backward reaches each block)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}{moment}")
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len
@@ -105,6 +106,9 @@ def report(result: Estimate) -> str:
               f"  FLOPs per rank per step: {flops:.4g}; MFU {flops / seconds['step'] / (result.peak_tflops() * 1e12):.1%}",
               f"  throughput: {result.tokens_per_device():,.0f} tokens/s/device "
               f"({tokens / seconds['step']:,.0f} tokens/s for the job)"]
+    for what, nbytes, plugin in result.traffic_terms:
+        lines.append(f"  memory traffic {plugin}: {what}: {_size(evaluated(nbytes, result))} per step "
+                     f"at {hardware.memory_gbps:.0f} GB/s")
     for c in result.collectives:
         lines.append(f"  collective {c.plugin}: {c.name} over {' x '.join(c.dims) or 'the one rank'}: "
                      f"{_size(evaluated(c.bytes, result))} per step "

@@ -95,13 +95,15 @@ class Estimate:
 
     Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
     ``matmul_speedup`` (float8), ``elementwise_passes`` (times each activation crosses device memory in a
-    step: casts and recomputation add to it), ``fusion`` (the share of that traffic left once a compiler fuses
+    step: recomputation adds to it), ``fusion`` (the share of that traffic left once a compiler fuses
     the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules),
     ``dispatch_cost`` (the host's time per operator relative to eager PyTorch's: DTensor's sharding propagation
-    multiplies it). The core sets ``optimizer_bytes`` (bytes per parameter element its optimizer step moves) and
-    ``optimizer_state_bytes`` (bytes per parameter element its optimizer keeps), both measured by stepping the
-    job's own optimizer on one parameter; an optimizer plugin whose state depends on a parameter's shape (Muon
-    for matrices, AdamW for the rest) sets the latter to its average in its ``estimate_costs``, and
+    multiplies it); what a plugin moves through device memory besides is a term of its own
+    (:meth:`add_traffic`: float8's casts). The core sets ``optimizer_bytes`` (bytes per parameter element its
+    optimizer step moves) and ``optimizer_state_bytes`` (bytes per parameter element its optimizer keeps), both
+    measured by stepping the job's own optimizer on one parameter; an optimizer plugin whose state depends on a
+    parameter's shape (Muon for matrices, AdamW for the rest) sets the latter to its average in its
+    ``estimate_costs``, and
     ``optimizer_flops`` (matrix-product FLOPs its step runs on this rank, a number or a function of the estimate:
     Muon's Newton–Schulz, at the bf16 matmul rate), ``optimizer_operators`` (operators its step issues, a
     number or a function of the estimate: the core counts them per parameter group and tensor). ``trained_share``:
@@ -152,6 +154,7 @@ class Estimate:
     ranks: list[dict] = field(default_factory=list)
     rank: int = 0  # which of ``ranks`` this estimate is
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
+    traffic_terms: list[tuple] = field(default_factory=list)  # (what, bytes, plugin)
     collectives: list[Collective] = field(default_factory=list)
     counted: list[str] = field(default_factory=list)
     not_counted: list[str] = field(default_factory=list)
@@ -193,6 +196,12 @@ class Estimate:
         ``calls`` calls per step (None: one per micro-batch); each a number, or a function of the estimate,
         called when it is summed, as in :meth:`add_memory`."""
         self.collectives.append(Collective(name, tuple(dims), nbytes, overlapped, plugin, calls))
+
+    def add_traffic(self, nbytes, what: str, plugin: str) -> None:
+        """Bytes this plugin reads and writes in device memory per optimizer step on this rank beyond the
+        activations' elementwise passes (casts, copies), a number or a function of the estimate as in
+        :meth:`add_memory`; priced at the hardware's memory bandwidth with the step's elementwise work."""
+        self.traffic_terms.append((what, nbytes, plugin))
 
     def each_rank(self) -> list[Estimate]:
         """One estimate per kind of rank in ``ranks``, in their order (this estimate when all ranks are alike)."""
@@ -430,7 +439,9 @@ class Estimate:
         produced = (sum(self.saved(i, self.expert_load) for i in self.blocks)
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))
         tokens = self.microbatch_tokens * self.microbatches_per_step()
-        elementwise = self.elementwise_passes * self.fusion * produced * tokens / (hardware.memory_gbps * 1e9)
+        traffic = sum(evaluated(nbytes, self) for _, nbytes, _ in self.traffic_terms)
+        elementwise = ((self.elementwise_passes * self.fusion * produced * tokens + traffic)
+                       / (hardware.memory_gbps * 1e9))
         optimizer = (self.optimizer_bytes * self.held_params() * self.trained_share
                      / (self.weight_split * self.state_shards) / (hardware.memory_gbps * 1e9))
         host = self.host_seconds()

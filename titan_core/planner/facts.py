@@ -67,6 +67,10 @@ class ModelFacts:
     ``block_param_results[i]``: bytes per token of the results of block ``i``'s ops that read a parameter (its
     weights' matmuls, its norms' scales): the gradients a backward split in two keeps from its input half for its
     weight half.
+    ``block_linear_inputs[i]``/``block_linear_outputs[i]``: elements per token of the inputs and the results of
+    block ``i``'s linears (its matmuls that read a weight; an input two linears read counts twice, as each
+    casts it on its own), ``block_linear_weights[i]``: their weights' elements: what a plugin converting linears
+    casts (the results' shape is their gradients').
     ``block_expert_params[i]``: the parameters of block ``i``'s experts module (``ModelDescription.experts``; 0 in a
     dense block), ``block_expert_input[i]``: bytes per token of the token copies entering it (what expert parallel
     sends to the experts' ranks and back), ``block_expert_copies[i]``: how many copies of each token enter it,
@@ -90,6 +94,9 @@ class ModelFacts:
     block_backward: tuple[float, ...]
     block_forward: tuple[float, ...]
     block_param_results: tuple[float, ...]
+    block_linear_inputs: tuple[float, ...]
+    block_linear_outputs: tuple[float, ...]
+    block_linear_weights: tuple[int, ...]
     loss_backward: float
     block_ops: tuple[int, ...]
     outer_ops: int
@@ -147,6 +154,9 @@ class _Tracer(TorchDispatchMode):
         self.made = [{} for _ in range(n_blocks)]
         self.product_flops = [{} for _ in range(n_blocks)]
         self.param_results = [0.0] * n_blocks
+        self.linear_inputs = [0.0] * n_blocks
+        self.linear_outputs = [0.0] * n_blocks
+        self.linear_weights = [0] * n_blocks
         self.matmuls = 0  # of the block being traced
         self.block_input = 0.0
         self.stream_shape: tuple[int, ...] = ()
@@ -190,6 +200,10 @@ class _Tracer(TorchDispatchMode):
                 made[key] = made.get(key, 0.0) + nbytes
                 if product:
                     flops[key] = flops.get(key, 0.0) + product
+            if name in MATMULS and self._reads_parameter(args):
+                self.linear_inputs[self.block] += args[PRODUCTS[name]].numel() / self.positions
+                self.linear_outputs[self.block] += results[0].numel() / self.positions
+                self.linear_weights[self.block] += args[PRODUCTS[name] + 1].numel()
 
     def _reads_parameter(self, args) -> bool:
         return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata in self.parameters
@@ -414,6 +428,8 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
                       block_forward=tuple(tracer.forward_peaks(len(blocks))),
                       block_param_results=tuple(tracer.param_results),
+                      block_linear_inputs=tuple(tracer.linear_inputs), block_linear_outputs=tuple(tracer.linear_outputs),
+                      block_linear_weights=tuple(tracer.linear_weights),
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
                       parameter_tensors=len(list(model.parameters())),
                       parameter_roles=len({parameter_role(description, name, p) for name, p in model.named_parameters()}),

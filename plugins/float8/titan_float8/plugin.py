@@ -23,6 +23,12 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")
 log = logging.getLogger("titan_core")
 MXFP8_NEEDS_TRITON = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")  # torchao's CUDA cast kernels
+# Bytes per element read and written to cast a linear's input, its output's gradient and its weight to float8 for
+# forward and backward, as torchao's roofline counts its cast kernels (none fused with the op before them:
+# torchao/testing/training/roofline_utils.py, get_tensor_memory_traffic_ovhd_s). Rowwise scales each operand
+# along the dimension its matmul sums over, so backward transposes in bf16 and casts again.
+CAST_BYTES = {"tensorwise": (6, 6, 8), "rowwise": (8, 8, 10), "rowwise_with_gw_hp": (3, 3, 6)}
+MXFP8_CAST_BYTES = (6, 6, 6)
 # Module conversions run in stage order: float8 replaces whole linears, so it goes before any conversion at a
 # later stage that hangs modules on them (LoRA's adapters, 210), which a replacement would drop.
 STAGE = 150
@@ -133,8 +139,8 @@ def after_optimizer_step(model_parts, plugin_config):
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """float8: the blocks' matmuls (rowwise_with_gw_hp: two of each linear's three) at the float8 rate the hardware
-    reaches, one more pass over each activation for the casts, and float8 weights in FSDP's all-gather when
-    fsdp_float8_all_gather is on."""
+    reaches, the casts' memory traffic as the recipe's kernels move it, and float8 weights in FSDP's all-gather
+    when fsdp_float8_all_gather is on (each rank then casts its shard of the weights, before the gather)."""
     hardware = estimate.hardware
     if estimate.device_type == "cuda" and not hardware.fp8_tflops:
         raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
@@ -144,7 +150,16 @@ def estimate_costs(estimate, plugin_config, plan):
         # rowwise_with_gw_hp leaves the weight gradient's matmul, one of each linear's three, in high precision.
         share = min(linear, 1.0) * (2 / 3 if plugin_config.recipe == "rowwise_with_gw_hp" else 1)
         estimate.matmul_speedup /= (1 - share) + share * hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
-    estimate.elementwise_passes += 1
+    inputs, gradients, weights = CAST_BYTES.get(plugin_config.recipe, MXFP8_CAST_BYTES)
+    gathered_cast = not plugin_config.fsdp_float8_all_gather
+
+    def cast_bytes(e):
+        facts, microbatches = e.facts, e.microbatches_per_step()
+        activations = sum(inputs * facts.block_linear_inputs[i] + gradients * facts.block_linear_outputs[i]
+                          for i in e.blocks) * e.microbatch_tokens / e.activation_split
+        linear_weights = sum(facts.block_linear_weights[i] for i in e.blocks) / e.weight_split
+        return (activations + weights * linear_weights / (1 if gathered_cast else e.state_shards)) * microbatches
+    estimate.add_traffic(cast_bytes, f"casts to float8 ({plugin_config.recipe})", "float8")
     if plugin_config.fsdp_float8_all_gather:
         estimate.gather_bytes = 1
 
