@@ -4,9 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import titan_ac
 from titan_ac.plugin import apply_ac
@@ -132,6 +136,24 @@ def test_selective_op_keeps_a_biased_linears_matmul():
         return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
     assert [_recomputed(linear(), torch.ops.aten.addmm, ops)
             for ops in (DEFAULT_SAVE_OPS, ["mm", "_scaled_mm"])] == [0, 1]
+
+
+
+def test_selective_op_keeps_a_tensor_parallel_biased_linears_matmul():
+    """Under tensor parallelism the policy sees the DTensor's ``addmm`` (a fake two-rank world: the local shards
+    compute, the collectives move nothing): the column-wise biased linear's is kept with the default save_ops and
+    runs again in backward without the matmuls."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+
+        def sharded():
+            block = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+            return parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        recomputed = [_recomputed(sharded(), torch.ops.aten.addmm, ops) for ops in (DEFAULT_SAVE_OPS, ["_scaled_mm"])]
+        assert recomputed == [0, 1]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_parameter_names_stay_canonical():
