@@ -67,11 +67,12 @@ class Estimate:
     a sequence is split over: context parallel), ``activation_split`` / ``outer_split`` (ranks the blocks' /
     the outputs' and loss's activations are split over: tensor and sequence parallel, loss parallel),
     ``stream_split`` (ranks the residual stream between blocks is split over besides ``sequence_split``:
-    sequence parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once, in units
+    sequence parallel), ``logits_split`` (ranks the logits are split over by vocabulary: loss parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once, in units
     of all this rank's blocks, a number or a function of the estimate: pipeline schedules),
     ``weight_halves_waiting`` (of those, the ones whose backward ran its input half and keeps the gradients its
     weight half needs, in the same units: zero-bubble schedules), both at the rank's worst backward once earlier
-    micro-batches' gradients exist, and ``first_backward`` (the two at the rank's first backward of a step, before
+    micro-batches' gradients exist, ``gradients_made`` (the share of the rank's gradients that exist there: a
+    looped pipeline rank's stages that have run no backward yet have none), and ``first_backward`` (the two at the rank's first backward of a step, before
     any gradient exists, when it keeps more: a pipeline's warm-up; None: none does; each of the three a value or a
     function of the estimate), ``backward_regathers`` (whether a forward runs before the rank's worst later
     backward since its previous one, so that weights resharded after forward are gathered again as that backward
@@ -80,7 +81,9 @@ class Estimate:
     gathers early, of the weights of terms added ``when="regathered"``) and ``prefetched_gathered(e, index)``
     (what that prefetch gathers of block ``index``; None: all of :meth:`block_gathered`), ``logits_tokens`` (tokens
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
-    forward and makes one chunk's again in backward),
+    forward and makes one chunk's again in backward), ``output_kept`` (bytes per token of its output that each
+    micro-batch keeps until its backward ends, beside what autograd keeps: a pipeline stage's, which torch's stage
+    holds as that backward's root; a value or a function of the estimate),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
     block recomputes in backward what it did not keep), ``expert_load`` (rows the busiest rank's experts compute
@@ -129,13 +132,16 @@ class Estimate:
     stream_split: int = 1
     activation_split: int = 1
     outer_split: int = 1
+    logits_split: int = 1
     microbatches_in_flight: float | Callable[[Estimate], float] = 1
     weight_halves_waiting: float | Callable[[Estimate], float] = 0
+    gradients_made: float | Callable[[Estimate], float] = 1.0
     first_backward: tuple[float, float] | Callable[[Estimate], tuple[float, float] | None] | None = None
     backward_regathers: bool | Callable[[Estimate], bool] = True
     backward_prefetch: int = 0
     prefetched_gathered: Callable[[Estimate, int], float] | None = None
     logits_tokens: int | None = None
+    output_kept: float | Callable[[Estimate], float] = 0.0
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     expert_load: float = 1.0
     expert_load_peak: float | None = None
@@ -304,7 +310,7 @@ class Estimate:
 
     def kept_per_token(self) -> float:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""
-        return sum(self.kept(i) for i in self.blocks) + self.outer_kept()
+        return sum(self.kept(i) for i in self.blocks) + self.outer_kept() + evaluated(self.output_kept, self)
 
     def outer_kept(self) -> float:
         """Bytes per token the outputs and the loss keep until backward on this rank (the logits' only when the
@@ -328,15 +334,17 @@ class Estimate:
         keeps more micro-batches, of that one, before any gradient exists (unless an earlier accumulation step
         made them)."""
         later = (evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self))
-        moments = [(*later, self.gradients_at_peak(), evaluated(self.backward_regathers, self))]
+        made = evaluated(self.gradients_made, self) if self.gradients_at_peak() else 0.0
+        moments = [(*later, made, evaluated(self.backward_regathers, self))]
         first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
         if first is not None and (first[0] > later[0] or first[1] > later[1]):  # else it keeps no more, no gradient
-            moments.append((*first, self.grad_accum > 1, True))  # the step's first backward follows a forward
+            moments.append((*first, float(self.grad_accum > 1), True))  # the step's first backward follows a forward
         return max((self._backward_peak(*moment) for moment in moments), key=lambda memory: sum(memory.values()))
 
-    def _backward_peak(self, in_flight: float, waiting: float, accumulated: bool, regathers: bool) -> dict[str, float]:
+    def _backward_peak(self, in_flight: float, waiting: float, accumulated: float, regathers: bool) -> dict[str, float]:
         """Bytes per category at the peak of one micro-batch's backward, with ``in_flight`` micro-batches'
-        activations kept and ``waiting`` weight halves, every gradient existing throughout if ``accumulated``,
+        activations kept and ``waiting`` weight halves, that share of the gradients existing throughout
+        (``accumulated``; the rest made as its backward reaches them),
         the weights of terms added ``when="regathered"`` gathered as backward reaches them if ``regathers``, else
         all of them.
 
@@ -349,7 +357,9 @@ class Estimate:
         facts, tokens = self.facts, self.microbatch_tokens
         shards = self.weight_split * self.state_shards
         state = self.sharded_params()
-        others = tokens * ((in_flight - 1) * self.kept_per_token() + waiting * self.param_results_per_token())
+        # The other micro-batches in flight, and this one's output, held until its backward ends.
+        others = tokens * ((in_flight - 1) * self.kept_per_token() + waiting * self.param_results_per_token()
+                           + evaluated(self.output_kept, self))
         kept = [tokens * self.kept(i) for i in self.blocks]
         outer = tokens * self.outer_kept()
         if not self.holds_outputs:
@@ -390,7 +400,8 @@ class Estimate:
             made += 4 * trained * facts.block_params[i] / shards
         phases.append((others, all_gradients, {category: blocks[category] + end[category] for category in CATEGORIES}))
         if accumulated:
-            phases = [(activations, all_gradients, own) for activations, _, own in phases]
+            phases = [(activations, max(gradients, accumulated * all_gradients), own)
+                      for activations, gradients, own in phases]
         phases = [(activations, gradients, {category: own[category] + grown[category] * gradients / (all_gradients or 1)
                                             + regathered[category] * share for category in CATEGORIES})
                   for (activations, gradients, own), share in zip(phases, reached)]

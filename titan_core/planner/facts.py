@@ -61,6 +61,7 @@ class ModelFacts:
     it has not let go yet, less what it has yet to keep): what a block recomputing in backward holds beyond
     its kept activations as its forward runs again;
     ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients);
+    ``output``: bytes per token of what the model's forward returns (the logits, in the traced dtype);
     ``block_ops[i]``: aten operators block ``i``'s forward and backward run, ``outer_ops``: those of the rest
     and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's;
     ``parameter_roles``: the roles among them (the core's optimizer steps one parameter group per role).
@@ -98,6 +99,7 @@ class ModelFacts:
     block_linear_outputs: tuple[float, ...]
     block_linear_weights: tuple[int, ...]
     loss_backward: float
+    output: float
     block_ops: tuple[int, ...]
     outer_ops: int
     parameter_tensors: int
@@ -426,6 +428,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made),
                       block_product_flops=tuple(tracer.product_flops), attention_kv=tracer.attention_kv,
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
+                      output=_nbytes(logits) / tracer.positions,
                       block_forward=tuple(tracer.forward_peaks(len(blocks))),
                       block_param_results=tuple(tracer.param_results),
                       block_linear_inputs=tuple(tracer.linear_inputs), block_linear_outputs=tuple(tracer.linear_outputs),

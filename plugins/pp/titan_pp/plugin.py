@@ -200,7 +200,8 @@ def estimate_costs(estimate, plugin_config, plan):
     """pp: each rank holds its stages' blocks and keeps the activations of the micro-batches its schedule has
     in flight (1F1B: fewer on later stages; GPipe: all; a zero-bubble schedule's until their weight half, with
     the gradients that half needs), idles for the schedule's bubble, sends the residual stream to the next stage
-    (and its gradient back) per micro-batch and keeps a receive buffer per micro-batch from another rank."""
+    (and its gradient back) per micro-batch and keeps a receive buffer per micro-batch from another rank, and
+    each stage's output (the stream, the last stage's logits) until that micro-batch's backward ends."""
     layout = _layout(plugin_config, plan)
     kind = schedule_kind(plugin_config)
     degree, chunks, microbatches = layout.degree, layout.stages_per_rank, layout.microbatches
@@ -226,30 +227,48 @@ def estimate_costs(estimate, plugin_config, plan):
         first, *later = backward_moments(torch_order(plugin_config.schedule, layout, rank), stages)
         later = _undominated(later)
 
-        def per_stage(e) -> tuple[list[float], list[float]]:  # bytes per token kept, and waiting for a W
+        def per_stage(e) -> tuple[list[float], list[float], list[float]]:
+            """Per stage, bytes per token kept and waiting for a weight half, and the bytes of its gradients."""
             blocks = [layout.blocks[s] for s in stages]
-            return ([sum(map(e.kept, ours)) + (s == last) * e.outer_kept() for s, ours in zip(stages, blocks)],
-                    [sum(e.facts.block_param_results[i] for i in ours) / e.activation_split for ours in blocks])
+            return ([sum(map(e.kept, ours)) + (s == last) * e.outer_kept() + output(e, s)
+                     for s, ours in zip(stages, blocks)],
+                    [sum(e.facts.block_param_results[i] for i in ours) / e.activation_split for ours in blocks],
+                    [4 * sum(e.facts.block_params[i] for i in ours) for ours in blocks])
 
-        def units(moment, kept, made) -> tuple[float, float]:  # (kept, waiting) in units of all the rank's blocks
-            alive, waiting = moment
-            return _dot(alive, kept) / (sum(kept) or 1), _dot(waiting, made) / (sum(made) or 1)
+        def units(moment, kept, made, gradients) -> tuple[float, float, float]:
+            """(kept, waiting) in units of all the rank's blocks, and the share of its gradients that exist."""
+            alive, waiting, backed = moment
+            return (_dot(alive, kept) / (sum(kept) or 1), _dot(waiting, made) / (sum(made) or 1),
+                    _dot(backed, gradients) / (sum(gradients) or 1))
 
-        def worst(e) -> tuple[float, float]:
-            kept, made = per_stage(e)
-            return max((units(moment, kept, made) for moment in later),
-                       key=lambda u: u[0] * sum(kept) + u[1] * sum(made))
+        def worst(e) -> tuple[float, float, float]:
+            kept, made, gradients = per_stage(e)
+            tokens = e.microbatch_tokens
+            shards = e.weight_split * e.state_shards
+            return max((units(moment, kept, made, gradients) for moment in later),
+                       key=lambda u: tokens * (u[0] * sum(kept) + u[1] * sum(made)) + u[2] * sum(gradients) / shards)
         # The worst later backward may follow backwards of the same stages: counted as gathered by them.
-        return dict(first_backward=lambda e: units(first, *per_stage(e)), microbatches_in_flight=lambda e: worst(e)[0],
-                    weight_halves_waiting=lambda e: worst(e)[1], backward_regathers=False)
+        return dict(first_backward=lambda e: units(first, *per_stage(e))[:2],
+                    microbatches_in_flight=lambda e: worst(e)[0], weight_halves_waiting=lambda e: worst(e)[1],
+                    gradients_made=lambda e: worst(e)[2], backward_regathers=False)
 
+    def output(e, stage: int) -> float:
+        """Bytes per token of a stage's output, which torch's stage keeps for each micro-batch as the root of its
+        backward: the residual stream, or the last stage's logits, split as loss parallel splits them (the hidden
+        states, when the loss makes the logits chunk by chunk)."""
+        if stage == last and e.logits_tokens is None:
+            return e.facts.output / e.logits_split
+        return e.facts.block_input / e.stream_split
+
+    estimate.output_kept = lambda e: sum(output(e, s) for s in layout.stages_of(e.rank))
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
                            holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r))
                       for r in range(degree)]
     estimate.blocks = estimate.ranks[0]["blocks"]
     # What each rank keeps in flight is a function of the rank, so that a plugin after this one can wrap it.
     kept = [held(r) for r in range(degree)]
-    for name in ("first_backward", "microbatches_in_flight", "weight_halves_waiting", "backward_regathers"):
+    for name in ("first_backward", "microbatches_in_flight", "weight_halves_waiting", "gradients_made",
+                 "backward_regathers"):
         setattr(estimate, name, _of_rank(kept, name, getattr(estimate, name)))
     rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
     estimate.bubble = (degree - 1) / (rounds + degree - 1)
@@ -264,10 +283,11 @@ def estimate_costs(estimate, plugin_config, plan):
               for r in range(degree)]
     estimate.add_memory("buffers", lambda e: remote[e.rank] * microbatches * stream(e), "pipeline receive buffers",
                         "pp")
-    # Each stage but the first keeps its inputs' gradient of every micro-batch until the next step clears them.
+    # Each stage but the first keeps its inputs' gradient of every micro-batch, made as its backward ends, until the
+    # next step clears them: none at the step's first backward.
     fed = [sum(s > 0 for s in layout.stages_of(r)) for r in range(degree)]
     estimate.add_memory("activations", lambda e: fed[e.rank] * microbatches * stream(e),
-                        "received activations' gradients", "pp")
+                        "received activations' gradients", "pp", when="accumulated")
     estimate.add_collective("residual stream between stages", (PP,),
                             lambda e: remote[e.rank] * stream(e) * e.microbatches_per_step(), overlapped=False,
                             plugin="pp", calls=lambda e: 2 * remote[e.rank] * e.microbatches_per_step())
@@ -292,23 +312,26 @@ def torch_order(schedule: str, layout: Layout, rank: int) -> list:
     return schedules.get_schedule_class(schedule)._calculate_single_rank_operations(sizes, rank)
 
 
-def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ...], ...]]:
     """At the end of each backward of ``order``, in order (a stage micro-batch's whole backward or input half;
     the first stage's weight half, which runs its whole backward), per stage of ``stages``: the micro-batches whose
-    activations are kept, that one included, and those keeping the gradients their weight half needs (their
-    input half ran, that one's included; a stage's but the first's, whose input half does nothing)."""
-    kept, waiting, moments = [0] * len(stages), [0] * len(stages), []
+    activations are kept, that one included, those keeping the gradients their weight half needs (their
+    input half ran, that one's included; a stage's but the first's, whose input half does nothing), and whether
+    its weights' gradients exist as that backward starts (an earlier backward made them)."""
+    kept, waiting, made, moments = [0] * len(stages), [0] * len(stages), [0] * len(stages), []
     for action in (sub for action in order if action is not None for sub in (action.sub_actions or [action])):
         kind, first, local = action.computation_type, action.stage_index == 0, stages.index(action.stage_index)
         if kind == schedules.FORWARD:
             kept[local] += 1
         elif kind == schedules.FULL_BACKWARD or (kind == schedules.BACKWARD_WEIGHT and first):
-            moments.append((tuple(kept), tuple(waiting)))
+            moments.append((tuple(kept), tuple(waiting), tuple(made)))
             kept[local] -= 1
+            made[local] = 1
         elif kind == schedules.BACKWARD_INPUT and not first:
             waiting[local] += 1
-            moments.append((tuple(kept), tuple(waiting)))
+            moments.append((tuple(kept), tuple(waiting), tuple(made)))
         elif kind == schedules.BACKWARD_WEIGHT:
+            made[local] = 1
             kept[local] -= 1
             waiting[local] -= 1
     return moments
@@ -316,9 +339,9 @@ def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ..
 
 def _undominated(moments: list) -> list:
     """The moments no other moment holds at least as much of everything as: the peak is at one of them."""
-    counts = [kept + waiting for kept, waiting in set(moments)]
+    counts = [sum(moment, ()) for moment in set(moments)]
     size = len(moments[0][0]) if moments else 0
-    return [(c[:size], c[size:]) for c in counts
+    return [(c[:size], c[size:2 * size], c[2 * size:]) for c in counts
             if not any(other != c and all(o >= m for o, m in zip(other, c)) for other in counts)]
 
 

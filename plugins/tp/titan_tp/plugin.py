@@ -291,6 +291,7 @@ def estimate_costs(estimate, plugin_config, plan):
     if plugin_config.loss_parallel:  # the logits and the loss's tensors of their shape, split by vocabulary
         logits = facts.outer_logits
         estimate.outer_split *= facts.outer_saved / (logits / degree + facts.outer_saved - logits)
+        estimate.logits_split *= degree
     estimate.dispatch_cost *= DTENSOR_DISPATCH[plugin_config.sequence_parallel]
     # Calls per forward and backward as torch runs them (counted by tests/test_planner.py): per block, the
     # stream's gathers and reduce-scatters (or all-reduces) and the all-reduces of replicated weights' gradients;
