@@ -834,6 +834,45 @@ def test_an_outsiders_weights_brought_back_in_backward_count_what_backward_has_r
     assert 4 * blocks[-1] > 0.1 * 2**20  # a block more or less moves the total beyond the printed rounding
 
 
+
+# A plugin written from docs/writing-plugins.md: a schedule of its own that keeps micro-batches' outputs.
+HELD_OUTPUTS = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """heldoutputs: `in_flight` micro-batches alive at the worst backward, each keeping `output_bytes` of its output
+    per token until its backward ends; `made` of the gradients exist there."""
+    estimate.microbatches_in_flight = plugin_config.in_flight
+    estimate.output_kept = plugin_config.output_bytes
+    estimate.gradients_made = plugin_config.made
+'''
+
+
+def test_an_outsiders_kept_outputs_and_gradients_made_reach_the_peak(tmp_path):
+    """Estimate.output_kept and gradients_made, set by a plugin written from docs/writing-plugins.md, on a step of
+    two micro-batches: three micro-batches in flight keep three outputs (summed by hand); half the gradients
+    exist at the peak, as backward starts, where all did."""
+    env = install_plugins(tmp_path / "site", {"heldoutputs": (HELD_OUTPUTS, "in_flight: 3\noutput_bytes: 0\nmade: 1.0\n")},
+                          "heldoutputs-plugin")
+
+    def printed(*extra):
+        done = _plan_command("--hardware", "a100", *SMALL, "training.grad_accum_steps=2", "+plugins=[heldoutputs]",
+                             *extra, env=env)
+        assert done.returncode == 0, done.stderr
+        return _printed_bytes(done.stdout, "    activations"), _printed_bytes(done.stdout, "    gradients")
+
+    _, plain = job_estimate(["--hardware", "a100", *SMALL, "training.grad_accum_steps=2"])  # as the command has it
+    activations, gradients = printed()
+    held, _ = printed("plugins.heldoutputs.output_bytes=4096")
+    assert held - activations == pytest.approx(3 * 4096 * plain.microbatch_tokens, abs=0.011 * 2**20)
+    assert 3 * 4096 * plain.microbatch_tokens > 0.5 * 2**20  # beyond the printed rounding
+    _, half = printed("plugins.heldoutputs.made=0.5")
+    assert gradients == pytest.approx(4 * plain.sharded_params(), rel=0.01)
+    assert half == pytest.approx(gradients / 2, rel=0.01)
+
+
 MOMENTUM = '''
 import torch
 from titan_core import hookimpl
