@@ -67,14 +67,15 @@ class Estimate:
     a sequence is split over: context parallel), ``activation_split`` / ``outer_split`` (ranks the blocks' /
     the outputs' and loss's activations are split over: tensor and sequence parallel, loss parallel),
     ``stream_split`` (ranks the residual stream between blocks is split over besides ``sequence_split``:
-    sequence parallel), ``logits_split`` (ranks the logits are split over by vocabulary: loss parallel), ``microbatches_in_flight`` (micro-batches whose activations are alive at once, in units
-    of all this rank's blocks, a number or a function of the estimate: pipeline schedules),
+    sequence parallel), ``logits_split`` (ranks the logits are split over by vocabulary: loss parallel),
+    ``microbatches_in_flight`` (micro-batches whose activations are alive at once, in units of all this rank's
+    blocks, a number or a function of the estimate: pipeline schedules),
     ``weight_halves_waiting`` (of those, the ones whose backward ran its input half and keeps the gradients its
     weight half needs, in the same units: zero-bubble schedules), both at the rank's worst backward once earlier
     micro-batches' gradients exist, ``gradients_made`` (the share of the rank's gradients that exist there: a
-    looped pipeline rank's stages that have run no backward yet have none), and ``first_backward`` (the two at the rank's first backward of a step, before
-    any gradient exists, when it keeps more: a pipeline's warm-up; None: none does; each of the three a value or a
-    function of the estimate), ``backward_regathers`` (whether a forward runs before the rank's worst later
+    looped pipeline rank's stages that have run no backward yet have none), and ``first_backward`` (the two at
+    the rank's first backward of a step, before any gradient exists, when it keeps more: a pipeline's warm-up;
+    None: none does; each of these a value or a function of the estimate), ``backward_regathers`` (whether a forward runs before the rank's worst later
     backward since its previous one, so that weights resharded after forward are gathered again as that backward
     reaches them; False: an earlier backward left them gathered, a pipeline's cool-down; a value or a function
     of the estimate), ``backward_prefetch`` (blocks ahead of the one running backward whose weights a sharder

@@ -186,7 +186,7 @@ class _Tracer(TorchDispatchMode):
                 self.expert_saved[self.block] += storage.nbytes() / self.positions
         return tensor
 
-    def record(self, name: str, args, *results: torch.Tensor) -> None:
+    def record(self, name: str, args, *results: torch.Tensor, reads_parameter: bool = False) -> None:
         if self.block is not None:
             made, nbytes = self.made[self.block], sum(map(_nbytes, results)) / self.positions
             flops = self.product_flops[self.block]
@@ -202,7 +202,7 @@ class _Tracer(TorchDispatchMode):
                 made[key] = made.get(key, 0.0) + nbytes
                 if product:
                     flops[key] = flops.get(key, 0.0) + product
-            if name in MATMULS and self._reads_parameter(args):
+            if name in MATMULS and reads_parameter:
                 self.linear_inputs[self.block] += args[PRODUCTS[name]].numel() / self.positions
                 self.linear_outputs[self.block] += results[0].numel() / self.positions
                 self.linear_weights[self.block] += args[PRODUCTS[name] + 1].numel()
@@ -235,8 +235,9 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops[-1 if self.counting is None else self.counting] += 1
         results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
-        self.record(func.overloadpacket.__name__, args, *results)
-        if self.block is not None and self._reads_parameter(args):
+        reads_parameter = self.block is not None and self._reads_parameter(args)
+        self.record(func.overloadpacket.__name__, args, *results, reads_parameter=reads_parameter)
+        if reads_parameter:
             self.param_results[self.block] += sum(_nbytes(r) for r in results
                                                   if r.untyped_storage()._cdata not in self.learned) / self.positions
         for result in results:

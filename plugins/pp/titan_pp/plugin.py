@@ -228,25 +228,26 @@ def estimate_costs(estimate, plugin_config, plan):
         later = _undominated(later)
 
         def per_stage(e) -> tuple[list[float], list[float], list[float]]:
-            """Per stage, bytes per token kept and waiting for a weight half, and the bytes of its gradients."""
+            """Per stage, bytes per token kept and waiting for a weight half, and its parameters (its gradients)."""
             blocks = [layout.blocks[s] for s in stages]
             return ([sum(map(e.kept, ours)) + (s == last) * e.outer_kept() + output(e, s)
                      for s, ours in zip(stages, blocks)],
                     [sum(e.facts.block_param_results[i] for i in ours) / e.activation_split for ours in blocks],
-                    [4 * sum(e.facts.block_params[i] for i in ours) for ours in blocks])
+                    [sum(e.facts.block_params[i] for i in ours) + (s == 0) * e.facts.inputs_params
+                     + (s == last) * e.facts.outputs_params for s, ours in zip(stages, blocks)])
 
-        def units(moment, kept, made, gradients) -> tuple[float, float, float]:
+        def units(moment, kept, made, params) -> tuple[float, float, float]:
             """(kept, waiting) in units of all the rank's blocks, and the share of its gradients that exist."""
             alive, waiting, backed = moment
             return (_dot(alive, kept) / (sum(kept) or 1), _dot(waiting, made) / (sum(made) or 1),
-                    _dot(backed, gradients) / (sum(gradients) or 1))
+                    _dot(backed, params) / (sum(params) or 1))
 
         def worst(e) -> tuple[float, float, float]:
-            kept, made, gradients = per_stage(e)
+            kept, made, params = per_stage(e)
             tokens = e.microbatch_tokens
             shards = e.weight_split * e.state_shards
-            return max((units(moment, kept, made, gradients) for moment in later),
-                       key=lambda u: tokens * (u[0] * sum(kept) + u[1] * sum(made)) + u[2] * sum(gradients) / shards)
+            return max((units(moment, kept, made, params) for moment in later),
+                       key=lambda u: tokens * (u[0] * sum(kept) + u[1] * sum(made)) + 4 * u[2] * sum(params) / shards)
         # The worst later backward may follow backwards of the same stages: counted as gathered by them.
         return dict(first_backward=lambda e: units(first, *per_stage(e))[:2],
                     microbatches_in_flight=lambda e: worst(e)[0], weight_halves_waiting=lambda e: worst(e)[1],
