@@ -18,6 +18,8 @@ one line with the previous checkpoint kept, and each mistake below is refused in
 | prepare into a folder of other files               | one line, exit 2, nothing written                             |
 | a hub dataset that cannot be reached               | one line within 5 s                                           |
 | a plugin distribution whose code is gone           | one line naming it and how to reinstall, exit 2               |
+| a worker ended by a native crash (an abort)         | one line naming the rank, its signal and its log, which holds |
+|                                                    |   every thread's Python stack                                 |
 """
 
 import errno
@@ -242,6 +244,42 @@ def test_a_plugin_distribution_whose_code_is_gone_is_one_line(tmp_path):
         "which cannot be imported (No module named 'titan_ghost_ghost_conf'); fix: reinstall titan-ghost "
         "(pip install -e <its folder>) or pip uninstall titan-ghost")
     assert "Traceback" not in result.stderr and not (tmp_path / "run" / "logs").exists()
+
+
+CRASHING = """
+import os
+
+from titan_core import Declaration, hookimpl
+
+
+@hookimpl
+def declare():
+    return Declaration()
+
+
+@hookimpl
+def on_step_end(step):
+    \"\"\"crashing: rank 1 aborts after step 2, as a library's failed check in native code does.\"\"\"
+    if step == 2 and os.environ.get("RANK") == "1":
+        os.abort()
+"""
+
+
+def test_a_native_crash_is_one_line_and_the_stack_is_in_the_ranks_log(tmp_path):
+    env = install_plugins(tmp_path / "site", {"crashing": (CRASHING, "")}, "crashing")
+    result = run_job([*TINY, "+plugins=[fsdp,crashing]", "plugins.fsdp.degree=2"], tmp_path / "run",
+                     expect_success=False, env=env, timeout=120)
+    log = tmp_path / "run" / "logs" / "rank1.log"
+    assert result.returncode == 1
+    # Rank 0's connection to rank 1 dies with it: the elastic agent reports whichever of the two it finds dead.
+    assert (f"titan-core: worker rank 1 crashed (Fatal Python error: Aborted); its stack is in {log}"
+            in result.stderr.splitlines()), result.stderr
+    assert any(line.startswith("titan-core: rank 0 failed: ") and "(another rank ended first: its own line says "
+               "why)" in line for line in result.stderr.splitlines()), result.stderr  # gloo: connection reset by peer
+    assert "most recent call first" not in result.stderr and 'File "' not in result.stderr, result.stderr
+    assert "resource_tracker" not in result.stderr, result.stderr  # the semaphores rank 1 leaves are freed quietly
+    stack = log.read_text().split("Fatal Python error: Aborted", 1)[1]
+    assert "in on_step_end" in stack and "in worker_main" in stack
 
 
 def test_the_memory_bound_can_be_switched_off(tmp_path):

@@ -109,9 +109,27 @@ def run_job(overrides, run_dir: Path, *, expect_success: bool = True, env: dict 
                  if fresh_interpreter() else _FORKED_JOBS.run(arguments, environment, timeout))
     result = JobResult(Path(run_dir), completed.returncode, completed.stdout, completed.stderr)
     if expect_success and completed.returncode != 0:
+        # A worker's native crash is one line; its stacks are in the log the line names, gone with tmp_path.
+        stacks = [line.rsplit(_CRASH_POINTER, 1)[1] for line in completed.stderr.splitlines()
+                  if _CRASH_POINTER in line]
         raise AssertionError(f"{' '.join(command)} exited {completed.returncode}\n"
-                             f"--- stdout\n{completed.stdout[-3000:]}\n--- stderr\n{completed.stderr[-5000:]}")
+                             f"--- stdout\n{completed.stdout[-3000:]}\n--- stderr\n{_ends(completed.stderr)}"
+                             + "".join(f"\n--- {log}\n{_crash_dump(Path(log))}" for log in stacks))
     return result
+
+
+_CRASH_POINTER = "its stack is in "
+
+
+def _crash_dump(log: Path) -> str:
+    """The end of ``log`` from its last fatal error on: faulthandler's stacks of every thread."""
+    text = log.read_text()
+    return _ends(text[text.rfind("Fatal Python error"):], 4000)
+
+
+def _ends(text: str, each: int = 2500) -> str:
+    """The first and last ``each`` characters of ``text``: a crash's cause is printed first, its stack after."""
+    return text if len(text) <= 2 * each else f"{text[:each]}\n[...]\n{text[-each:]}"
 
 
 def compose(*overrides: str):

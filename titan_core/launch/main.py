@@ -13,6 +13,8 @@ import logging
 import multiprocessing
 import os
 import sys
+import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import hydra
@@ -30,7 +32,7 @@ from titan_core.job.run_dir import under_torchrun
 from titan_core.launch.cluster import Nodes, job_nodes, workers_per_node
 from titan_core.launch.prepare import prepare
 from titan_core.launch.provenance import write_run_record
-from titan_core.launch.worker import train, worker_main
+from titan_core.launch.worker import native_crash, rank_log, train, worker_main
 from titan_core.planner.costs import estimate_here
 from titan_core.preemption import exit_code
 
@@ -102,18 +104,52 @@ def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None
     _agent_logs_to(elastic / "agent.log")
     preload = [worker_main.__module__, *_worker_imports(config)]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    _start_quiet_resource_tracker()
+    started = time.time()
     try:
         # The config goes as text: the other nodes' workers must not wait for the first node's config.yaml.
         elastic_launch(launch_config, worker_main)(OmegaConf.to_yaml(config), str(run_dir))
     except SignalException as stop:
         sys.exit(exit_code(stop.sigval))
     except ChildFailedError as error:
-        for rank, failure in sorted(error.failures.items()):
-            print(f"titan-core: worker rank {rank} failed (exit code {failure.exitcode}); "
-                  f"see {run_dir / 'logs' / f'rank{rank}.log'}", file=sys.stderr)
-            if failure.message:
-                print(f"  {str(failure.message).strip().splitlines()[-1]}", file=sys.stderr)
+        _report_failures(error, run_dir, launch_config.nproc_per_node, started)
         sys.exit(1)
+
+
+def _start_quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker, which the forkserver would start, with its warnings off: a
+    worker that crashed leaves the semaphores it made (tqdm's lock among them) to the tracker, which frees them
+    and warns of the leak on this launcher's console, where nothing can be done about it."""
+    inherited = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [inherited, _TRACKER_QUIET]))
+    try:
+        resource_tracker.ensure_running()  # the tracker's interpreter reads its warning filters from the environment
+    finally:
+        if inherited is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = inherited
+
+
+_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def _report_failures(error: ChildFailedError, run_dir: Path, local_workers: int, started: float) -> None:
+    """One line for the worker the elastic agent saw fail, and one for each of this node's workers that died of a
+    native crash: the agent reports the first worker it finds dead, often one that failed only because a crashed
+    peer closed its connections, and a crashed worker cannot print its own line."""
+    failures = sorted(error.failures.items())
+    first_local = failures[0][0] - failures[0][1].local_rank
+    crashes = {rank: crash for rank in range(first_local, first_local + local_workers)
+               if (crash := native_crash(run_dir, rank, started))}
+    for rank, failure in failures:
+        if rank not in crashes:
+            # The agent's own message is the signal again, or a pointer to its docs on error files.
+            how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            print(f"titan-core: worker rank {rank} failed ({how}); see {rank_log(run_dir, rank)}", file=sys.stderr)
+    for crashed, crash in crashes.items():
+        print(f"titan-core: worker rank {crashed} crashed ({crash}); its stack is in {rank_log(run_dir, crashed)}",
+              file=sys.stderr)
 
 
 def _worker_imports(config) -> list[str]:

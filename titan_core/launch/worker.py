@@ -7,9 +7,11 @@ Runs in the launching process itself for a single-process job, in each worker th
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 from datetime import timedelta
@@ -104,9 +106,10 @@ def _one_line(error: BaseException, rank: int, run_dir: Path, config) -> int:
     message = str(error).lower()
     hint = (f" (a collective waited past its timeout, launch.hang_timeout_s={config.launch.hang_timeout_s}: "
             "another rank stopped responding, or died)" if "timed out" in message else
-            " (another rank ended first: its own line says why)" if "connection closed" in message else "")
+            " (another rank ended first: its own line says why)"
+            if "connection closed" in message or "connection reset" in message else "")
     print(f"titan-core: rank {rank} failed: {type(error).__name__}: {str(error).strip().splitlines()[-1]}{hint}; "
-          f"traceback in {run_dir / 'logs' / f'rank{rank}.log'}", file=sys.stderr, flush=True)
+          f"traceback in {rank_log(run_dir, rank)}", file=sys.stderr, flush=True)
     return 1
 
 
@@ -125,6 +128,34 @@ def _rendezvous_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def native_crash(run_dir: Path, rank: int, since: float) -> str | None:
+    """The fatal error rank ``rank``'s log ends with ("Fatal Python error: Aborted"): the stack faulthandler wrote
+    as the worker died (see :func:`_configure_logging`); None when the log ends with a record of its own, or
+    was last written before ``since`` (a crash of an earlier run in the same run dir)."""
+    log = rank_log(run_dir, rank)
+    try:
+        if log.stat().st_mtime < since:
+            return None
+        with log.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - _CRASH_TAIL_BYTES))
+            tail = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    _, marker, dump = tail.rpartition(_FATAL)
+    return None if not marker or _RECORD.search(dump) else _FATAL + dump.splitlines()[0]
+
+
+# faulthandler's first line, and the start of this module's log records: a crash is its log's last words.
+_FATAL = "Fatal Python error: "
+_RECORD = re.compile(r"^\d\d:\d\d:\d\d \[rank\d+\] ", re.MULTILINE)
+_CRASH_TAIL_BYTES = 256 * 1024  # every thread's stack, and the extension modules faulthandler lists
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` logs: its records, the traceback it failed with, or the stacks of a native crash."""
+    return run_dir / "logs" / f"rank{rank}.log"
+
+
 def _configure_logging(run_dir: Path, rank: int) -> None:
     """Every rank logs to logs/rank<r>.log in the run dir; rank 0 also to the console."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -135,10 +166,14 @@ def _configure_logging(run_dir: Path, rank: int) -> None:
         logger.removeHandler(handler)
         handler.close()
     fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s", "%H:%M:%S")
-    handlers = [logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")]
+    handlers = [logging.FileHandler(rank_log(run_dir, rank))]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
         handlers[-1].addFilter(lambda record: not record.exc_info)  # tracebacks stay in the file
     for handler in handlers:
         handler.setFormatter(fmt)
         logger.addHandler(handler)
+    # A native crash (an abort in a library, a segfault) writes every thread's Python stack here, where the
+    # launcher's line for the dead worker points, rather than pages of frames on the console (torch's elastic
+    # wrapper sends them to stderr). faulthandler keeps the file open; the next job's call replaces it.
+    faulthandler.enable(open(rank_log(run_dir, rank), "a"), all_threads=True)
