@@ -122,9 +122,10 @@ _CRASH_POINTER = "its stack is in "
 
 
 def _crash_dump(log: Path) -> str:
-    """The end of ``log`` from its last fatal error on: faulthandler's stacks of every thread."""
+    """The end of ``log`` from its last fatal error on: faulthandler's stacks of every thread, the newest thread's
+    first, the one that crashed marked "Current thread"."""
     text = log.read_text()
-    return _ends(text[text.rfind("Fatal Python error"):], 4000)
+    return _ends(text[text.rfind("Fatal Python error"):], 10000)
 
 
 def _ends(text: str, each: int = 2500) -> str:

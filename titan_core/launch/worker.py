@@ -173,7 +173,7 @@ def _configure_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(fmt)
         logger.addHandler(handler)
-    # A native crash (an abort in a library, a segfault) writes every thread's Python stack here, where the
-    # launcher's line for the dead worker points, rather than pages of frames on the console (torch's elastic
-    # wrapper sends them to stderr). faulthandler keeps the file open; the next job's call replaces it.
-    faulthandler.enable(open(rank_log(run_dir, rank), "a"), all_threads=True)
+    # A native crash (an abort in a library, a segfault) writes every thread's Python stack into the log, where
+    # the launcher's line for the dead worker points, rather than pages of frames on the console (torch's elastic
+    # wrapper sends them to stderr). An in-process sweep's next job closes this handler and enables its own.
+    faulthandler.enable(handlers[0].stream, all_threads=True)
