@@ -284,11 +284,12 @@ def estimate_costs(estimate, plugin_config, plan):
               for r in range(degree)]
     estimate.add_memory("buffers", lambda e: remote[e.rank] * microbatches * stream(e), "pipeline receive buffers",
                         "pp")
-    # Each stage but the first keeps its inputs' gradient of every micro-batch, made as its backward ends, until the
-    # next step clears them: none at the step's first backward.
+    # Each stage but the first sends its inputs' gradient back as its backward ends. torch lets go of it once sent
+    # (stage_backward sets the inputs' .grad to None), so the one sent last lives on, as the next backward runs,
+    # until that backward's own send completes: none at the step's first backward.
     fed = [sum(s > 0 for s in layout.stages_of(r)) for r in range(degree)]
-    estimate.add_memory("activations", lambda e: fed[e.rank] * microbatches * stream(e),
-                        "received activations' gradients", "pp", when="accumulated")
+    estimate.add_memory("activations", lambda e: fed[e.rank] * stream(e), "input gradient being sent back", "pp",
+                        when="accumulated")
     estimate.add_collective("residual stream between stages", (PP,),
                             lambda e: remote[e.rank] * stream(e) * e.microbatches_per_step(), overlapped=False,
                             plugin="pp", calls=lambda e: 2 * remote[e.rank] * e.microbatches_per_step())
