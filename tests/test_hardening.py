@@ -18,8 +18,8 @@ one line with the previous checkpoint kept, and each mistake below is refused in
 | prepare into a folder of other files               | one line, exit 2, nothing written                             |
 | a hub dataset that cannot be reached               | one line within 5 s                                           |
 | a plugin distribution whose code is gone           | one line naming it and how to reinstall, exit 2               |
-| a worker ended by a native crash (an abort)         | one line naming the rank, its signal and its log, which holds |
-|                                                    |   every thread's Python stack                                 |
+| a worker ended by a native crash (an abort)        | one line naming the rank, its fatal error and its log, which  |
+|                                                    |   holds every thread's Python stack                           |
 """
 
 import errno
@@ -274,8 +274,9 @@ def test_a_native_crash_is_one_line_and_the_stack_is_in_the_ranks_log(tmp_path):
     # Rank 0's connection to rank 1 dies with it: the elastic agent reports whichever of the two it finds dead.
     assert (f"titan-core: worker rank 1 crashed (Fatal Python error: Aborted); its stack is in {log}"
             in result.stderr.splitlines()), result.stderr
-    assert any(line.startswith("titan-core: rank 0 failed: ") and "(another rank ended first: its own line says "
-               "why)" in line for line in result.stderr.splitlines()), result.stderr  # gloo: connection reset by peer
+    # Rank 0 fails on the reset connection, if the agent has not stopped it first (then it prints nothing).
+    survivors = [line for line in result.stderr.splitlines() if line.startswith("titan-core: rank 0 failed: ")]
+    assert all("(another rank ended first: its own line says why)" in line for line in survivors), result.stderr
     assert "most recent call first" not in result.stderr and 'File "' not in result.stderr, result.stderr
     assert "resource_tracker" not in result.stderr, result.stderr  # the semaphores rank 1 leaves are freed quietly
     stack = log.read_text().split("Fatal Python error: Aborted", 1)[1]
