@@ -278,8 +278,11 @@ def test_each_call_pays_the_latency_and_each_operator_the_host_time():
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble", "DualPipeV"])
 def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
     """Pipeline ranks differ (stages, micro-batches in flight, receive buffers; a zero-bubble schedule's
-    micro-batches waiting for their weight half) and send each other what a fake process group cannot make up:
-    each rank of a real two-rank gloo world tracks its own step."""
+    micro-batches waiting for their weight half; what a schedule of several stages a rank sends, which it holds
+    until the step ends) and send each other what a fake process group cannot make up: each rank of a real
+    two-rank gloo world tracks its own step. Within 3% (measured: worst +2.7%, ZBVZeroBubble's second rank; without
+    the sends' tensors Interleaved1F1B's second rank was -3.4%, and without what a V's middle rank keeps of its
+    stages' passes DualPipeV's was -2.5%, ZBVZeroBubble's +0.4%)."""
     overrides = ("launch.device=cpu", "+plugins=[pp]", "plugins.pp.degree=2", f"plugins.pp.schedule={schedule}",
                  "plugins.pp.microbatches=4")
     *_, result = _estimate(*overrides)
@@ -290,10 +293,12 @@ def test_each_pipeline_rank_matches_torchs_memory_tracker(schedule, tmp_path):
         predicted = estimated.memory()
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert predicted["parameters"] == pytest.approx(measured["PARAM"], rel=0.01)
-        # The tracker's other tensors: the receive buffers (a V's middle rank has half as many as its stages
-        # would) and, under DualPipeV, a micro-batch's in transit.
-        assert measured["OTH"] / 1.3 < predicted["buffers"] < measured["OTH"] * 1.01
-        assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.05, (rank, predicted, measured)
+        # The tracker's other tensors: the receive buffers, and on a V's middle rank those of the last step's
+        # tensors its two stages passed each other that the step has not replaced by its peak (the fresh ones it
+        # counts as activations; pp counts them all as buffers, one per micro-batch each way).
+        middle_of_a_v = schedule in ("ZBVZeroBubble", "DualPipeV") and rank == 1
+        assert measured["OTH"] * 0.99 < predicted["buffers"] < measured["OTH"] * (2 if middle_of_a_v else 1) * 1.01
+        assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.03, (rank, predicted, measured)
 
 
 @pytest.mark.slow
@@ -321,18 +326,21 @@ def test_weights_resharded_after_forward_are_gathered_again_as_a_pipeline_stages
 def test_a_pipeline_stage_keeps_each_micro_batchs_output_until_its_backward(tmp_path):
     """torch's pipeline stage keeps each micro-batch's output as the root of its backward (the last stage's: the
     logits): GPipe's last stage holds four micro-batches' logits at its first backward, where no input gradient
-    exists yet. Counted (Estimate.output_kept), every rank of fsdp 2 x pp 2 GPipe is within 2%; without the outputs
-    the last stage is 4% under (2.8% while every input gradient was counted at the first backward)."""
+    exists yet. Counted (Estimate.output_kept), less each stage's input, which its first block keeps but its receive
+    buffer holds, every rank of fsdp 2 x pp 2 GPipe is within 1% (measured +0.7% and -0.0%; the last stage +1.3%
+    with its input counted twice); without the outputs the last stage is 4% under."""
     overrides = ("launch.device=cpu", "+plugins=[fsdp,pp]", "plugins.fsdp.degree=2", "plugins.pp.degree=2",
                  "plugins.pp.schedule=GPipe", "plugins.pp.microbatches=4")
     for rank, estimated, measured in _each_rank_tracked(overrides, tmp_path):
         last_stage = rank >= 2
-        output = estimated.facts.output if last_stage else estimated.facts.block_input
-        assert evaluated(estimated.output_kept, estimated) == output  # the logits, float32 here; else the stream
+        stream = estimated.facts.block_input
+        # The logits (float32 here) less the stage's input, which its receive buffer holds; else the stream.
+        output = estimated.facts.output - stream if last_stage else stream
+        assert evaluated(estimated.output_kept, estimated) == output
         error = sum(estimated.memory().values()) / measured["Total"] - 1
         without = sum(dataclasses.replace(estimated, output_kept=0.0).memory().values()) / measured["Total"] - 1
         print(f"rank {rank}: {error:+.1%} (without the outputs: {without:+.1%})")
-        assert abs(error) < 0.02, (rank, error)
+        assert abs(error) < 0.01, (rank, error)
         if last_stage:
             assert without < -0.03, without
 
@@ -341,7 +349,7 @@ def test_a_pipeline_stage_keeps_each_micro_batchs_output_until_its_backward(tmp_
 def test_a_tensor_parallel_pipelines_ranks_match_the_tracker_with_the_logits_split(tmp_path):
     """tp 2 with loss parallel x pp 2 GPipe, which no CI stack runs: the last stage keeps each micro-batch's logits
     split by vocabulary (Estimate.logits_split, set by tp, read by pp). Every rank within 5% (measured: +0.6% and
-    +3.8%, the last stage over)."""
+    +2.4%, the last stage over; +3.8% with its input counted twice)."""
     overrides = ("launch.device=cpu", "+plugins=[tp,pp]", "plugins.tp.degree=2", "plugins.pp.degree=2",
                  "plugins.pp.schedule=GPipe", "plugins.pp.microbatches=4")
     for rank, estimated, measured in _each_rank_tracked(overrides, tmp_path):
@@ -1178,7 +1186,7 @@ def test_the_estimate_says_by_how_much_it_fits_and_how_far_off_the_planner_has_b
     text = report(small)
     assert f"(fits, {room / GIB:.2f} GiB to spare, in the {CPU.usable_gib:.1f} GiB a plan may fill of 16.0)" in text
     assert text.splitlines()[-1] == ("  expected error (against 35 plans tracked on this CPU and 9 plans' step times "
-                                     "relative to one process, docs/planner.md): memory mean 1%, worst +4%; tokens/s "
+                                     "relative to one process, docs/planner.md): memory mean 1%, worst -3%; tokens/s "
                                      "mean 25%, worst +67%")
     tight = dataclasses.replace(small, hardware=dataclasses.replace(CPU, memory_gib=total / GIB, device_type="cuda"))
     over = total - tight.hardware.usable_gib * GIB
@@ -1210,7 +1218,7 @@ def test_the_dry_run_prints_the_estimate_for_this_machine(tmp_path):
     assert any("fsdp: gathered blocks and a reduce-scatter" in line for line in estimate_lines)
     assert any(line.strip().startswith("throughput:") and "tokens/s/device" in line for line in estimate_lines)
     # The band of the profile measured on the spot: its tokens/s as printed, not relative to one process.
-    assert "10 plans' step times, docs/planner.md): memory mean 1%, worst +4%; tokens/s mean 67%, worst +129%" in \
+    assert "10 plans' step times, docs/planner.md): memory mean 1%, worst -3%; tokens/s mean 67%, worst +129%" in \
         result.stdout
 
 

@@ -82,9 +82,10 @@ class Estimate:
     gathers early, of the weights of terms added ``when="regathered"``) and ``prefetched_gathered(e, index)``
     (what that prefetch gathers of block ``index``; None: all of :meth:`block_gathered`), ``logits_tokens`` (tokens
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
-    forward and makes one chunk's again in backward), ``output_kept`` (bytes per token of its output that each
-    micro-batch keeps until its backward ends, beside what autograd keeps: a pipeline stage's, which torch's stage
-    holds as that backward's root; a value or a function of the estimate),
+    forward and makes one chunk's again in backward), ``output_kept`` (bytes per token that each micro-batch keeps
+    until its backward ends beside what its blocks keep: a pipeline stage's output, which torch's stage holds as
+    that backward's root, less its input, a tensor held elsewhere that its first block keeps; a value or a
+    function of the estimate),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
     block recomputes in backward what it did not keep), ``expert_load`` (rows the busiest rank's experts compute

@@ -200,13 +200,19 @@ def estimate_costs(estimate, plugin_config, plan):
     """pp: each rank holds its stages' blocks and keeps the activations of the micro-batches its schedule has
     in flight (1F1B: fewer on later stages; GPipe: all; a zero-bubble schedule's until their weight half, with
     the gradients that half needs), idles for the schedule's bubble, sends the residual stream to the next stage
-    (and its gradient back) per micro-batch and keeps a receive buffer per micro-batch from another rank, and
-    each stage's output (the stream, the last stage's logits) until that micro-batch's backward ends."""
+    (and its gradient back) per micro-batch (a schedule of several stages a rank holds what it sends until the
+    step ends), keeps a receive buffer per micro-batch from each neighbouring stage (on a V's middle rank, the
+    tensor the other stage passed), and each stage's output (the stream, the last stage's logits) until that
+    micro-batch's backward ends."""
     layout = _layout(plugin_config, plan)
     kind = schedule_kind(plugin_config)
     degree, chunks, microbatches = layout.degree, layout.stages_per_rank, layout.microbatches
     estimate.microbatch_rows //= microbatches
     last = layout.num_stages - 1
+    # A schedule of several stages a rank (but LoopedBFS, which runs every forward first) is weighed at each
+    # backward of torch's own order of the rank's actions; torch's runtime for them waits for its sends only as
+    # the step ends, so that every tensor it sends lives until then.
+    ordered = kind.looped and plugin_config.schedule != "LoopedBFS" and microbatches > 1
 
     def held(rank: int) -> dict:
         """The fields saying how many micro-batches rank ``rank`` keeps at its first backward of a step and at
@@ -215,7 +221,7 @@ def estimate_costs(estimate, plugin_config, plan):
         backward gathered are still gathered: a cool-down)."""
         if microbatches == 1:
             return {}
-        if not kind.looped or plugin_config.schedule == "LoopedBFS":
+        if not ordered:
             # GPipe and LoopedBFS run every forward first; 1F1B's warm-up keeps one more than its steady state
             # only when the warm-up is all there is.
             everything_first = plugin_config.schedule in ("GPipe", "LoopedBFS")
@@ -230,26 +236,35 @@ def estimate_costs(estimate, plugin_config, plan):
         def per_stage(e) -> tuple[list[float], list[float], list[float]]:
             """Per stage, bytes per token kept and waiting for a weight half, and its parameters (its gradients)."""
             blocks = [layout.blocks[s] for s in stages]
-            return ([sum(map(e.kept, ours)) + (s == last) * e.outer_kept() + output(e, s)
+            return ([sum(map(e.kept, ours)) + (s == last) * e.outer_kept() + own_kept(e, s)
                      for s, ours in zip(stages, blocks)],
                     [sum(e.facts.block_param_results[i] for i in ours) / e.activation_split for ours in blocks],
                     [sum(e.facts.block_params[i] for i in ours) + (s == 0) * e.facts.inputs_params
                      + (s == last) * e.facts.outputs_params for s, ours in zip(stages, blocks)])
 
-        def units(moment, kept, made, params) -> tuple[float, float, float]:
-            """(kept, waiting) in units of all the rank's blocks, and the share of its gradients that exist."""
-            alive, waiting, backed = moment
-            return (_dot(alive, kept) / (sum(kept) or 1), _dot(waiting, made) / (sum(made) or 1),
+        def sent(e) -> tuple[list[float], list[float]]:
+            """Per stage, bytes per token of each output it sends to another rank, and of each input gradient."""
+            return ([(s < last and s + 1 not in stages) * output(e, s) for s in stages],
+                    [(s > 0 and s - 1 not in stages) * e.facts.block_input / e.stream_split for s in stages])
+
+        def units(moment, kept, made, params, outputs, gradients) -> tuple[float, float, float]:
+            """(kept, waiting) in units of all the rank's blocks, and the share of its gradients that exist. What
+            is kept counts what the sends hold: the outputs sent whose micro-batch's backward has run (until then
+            the stage keeps them anyway) and every input gradient sent."""
+            alive, waiting, backed, forwarded, sent_back = moment
+            held_by_sends = _dot([f - a for f, a in zip(forwarded, alive)], outputs) + _dot(sent_back, gradients)
+            return ((_dot(alive, kept) + held_by_sends) / (sum(kept) or 1), _dot(waiting, made) / (sum(made) or 1),
                     _dot(backed, params) / (sum(params) or 1))
 
         def worst(e) -> tuple[float, float, float]:
             kept, made, params = per_stage(e)
+            outputs, gradients = sent(e)
             tokens = e.microbatch_tokens
             shards = e.weight_split * e.state_shards
-            return max((units(moment, kept, made, params) for moment in later),
+            return max((units(moment, kept, made, params, outputs, gradients) for moment in later),
                        key=lambda u: tokens * (u[0] * sum(kept) + u[1] * sum(made)) + 4 * u[2] * sum(params) / shards)
         # The worst later backward may follow backwards of the same stages: counted as gathered by them.
-        return dict(first_backward=lambda e: units(first, *per_stage(e))[:2],
+        return dict(first_backward=lambda e: units(first, *per_stage(e), *sent(e))[:2],
                     microbatches_in_flight=lambda e: worst(e)[0], weight_halves_waiting=lambda e: worst(e)[1],
                     gradients_made=lambda e: worst(e)[2], backward_regathers=False)
 
@@ -261,7 +276,14 @@ def estimate_costs(estimate, plugin_config, plan):
             return e.facts.output / e.logits_split
         return e.facts.block_input / e.stream_split
 
-    estimate.output_kept = lambda e: sum(output(e, s) for s in layout.stages_of(e.rank))
+    def own_kept(e, stage: int) -> float:
+        """Bytes per token a stage keeps for each micro-batch beyond its blocks' activations: its output (unless
+        the stage after it, on this rank, holds it as its input: counted with the buffers), less its input, which
+        its first block keeps (the residual stream) but which the buffers count."""
+        handed_on = stage + 1 in layout.stages_of(e.rank)
+        return (not handed_on) * output(e, stage) - (stage > 0) * e.facts.block_input / e.stream_split
+
+    estimate.output_kept = lambda e: sum(own_kept(e, s) for s in layout.stages_of(e.rank))
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
                            holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r))
                       for r in range(degree)]
@@ -279,15 +301,17 @@ def estimate_costs(estimate, plugin_config, plan):
 
     # Per micro-batch, each stage sends its output to the next stage and its input's gradient to the previous one,
     # and receives into buffers of its own, made once and kept: one per micro-batch from each neighbouring stage
-    # on another rank (a V's middle rank holds two neighbours, which pass tensors in memory).
-    remote = [sum(n not in layout.stages_of(r) for s in layout.stages_of(r) for n in (s - 1, s + 1) if 0 <= n <= last)
-              for r in range(degree)]
-    estimate.add_memory("buffers", lambda e: remote[e.rank] * microbatches * stream(e), "pipeline receive buffers",
-                        "pp")
+    # on another rank. Two neighbouring stages on one rank (a V's middle rank) pass the tensors themselves, which
+    # the receiving stage keeps where a buffer would be until the next step's replace them: buffers too.
+    neighbours = [[n for s in layout.stages_of(r) for n in (s - 1, s + 1) if 0 <= n <= last] for r in range(degree)]
+    remote = [sum(n not in layout.stages_of(r) for n in neighbours[r]) for r in range(degree)]
+    estimate.add_memory("buffers", lambda e: len(neighbours[e.rank]) * microbatches * stream(e),
+                        "pipeline receive buffers", "pp")
     # Each stage but the first sends its inputs' gradient back as its backward ends. torch lets go of it once sent
-    # (stage_backward sets the inputs' .grad to None), so the one sent last lives on, as the next backward runs,
-    # until that backward's own send completes: none at the step's first backward.
-    fed = [sum(s > 0 for s in layout.stages_of(r)) for r in range(degree)]
+    # (stage_backward sets the inputs' .grad to None), so under a schedule that waits for each send as the next
+    # begins the one sent last lives on, as the next backward runs, until that backward's own send completes:
+    # none at the step's first backward. (An ordered schedule's sends are counted with its moments.)
+    fed = [(not ordered) * sum(s > 0 for s in layout.stages_of(r)) for r in range(degree)]
     estimate.add_memory("activations", lambda e: fed[e.rank] * stream(e), "input gradient being sent back", "pp",
                         when="accumulated")
     estimate.add_collective("residual stream between stages", (PP,),
@@ -318,20 +342,28 @@ def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ..
     """At the end of each backward of ``order``, in order (a stage micro-batch's whole backward or input half;
     the first stage's weight half, which runs its whole backward), per stage of ``stages``: the micro-batches whose
     activations are kept, that one included, those keeping the gradients their weight half needs (their
-    input half ran, that one's included; a stage's but the first's, whose input half does nothing), and whether
-    its weights' gradients exist as that backward starts (an earlier backward made them)."""
-    kept, waiting, made, moments = [0] * len(stages), [0] * len(stages), [0] * len(stages), []
+    input half ran, that one's included; a stage's but the first's, whose input half does nothing), whether
+    its weights' gradients exist as that backward starts (an earlier backward made them), the forwards it has
+    run and the input gradients it has made before that backward."""
+    kept, waiting, made, forwarded, sent_back = ([0] * len(stages) for _ in range(5))
+    moments = []
+
+    def moment() -> tuple[tuple[int, ...], ...]:
+        return tuple(kept), tuple(waiting), tuple(made), tuple(forwarded), tuple(sent_back)
     for action in (sub for action in order if action is not None for sub in (action.sub_actions or [action])):
         kind, first, local = action.computation_type, action.stage_index == 0, stages.index(action.stage_index)
         if kind == schedules.FORWARD:
             kept[local] += 1
+            forwarded[local] += 1
         elif kind == schedules.FULL_BACKWARD or (kind == schedules.BACKWARD_WEIGHT and first):
-            moments.append((tuple(kept), tuple(waiting), tuple(made)))
+            moments.append(moment())
             kept[local] -= 1
             made[local] = 1
+            sent_back[local] += 1
         elif kind == schedules.BACKWARD_INPUT and not first:
             waiting[local] += 1
-            moments.append((tuple(kept), tuple(waiting), tuple(made)))
+            moments.append(moment())
+            sent_back[local] += 1
         elif kind == schedules.BACKWARD_WEIGHT:
             made[local] = 1
             kept[local] -= 1
@@ -342,8 +374,8 @@ def backward_moments(order: list, stages: list[int]) -> list[tuple[tuple[int, ..
 def _undominated(moments: list) -> list:
     """The moments no other moment holds at least as much of everything as: the peak is at one of them."""
     counts = [sum(moment, ()) for moment in set(moments)]
-    size = len(moments[0][0]) if moments else 0
-    return [(c[:size], c[size:2 * size], c[2 * size:]) for c in counts
+    size, parts = (len(moments[0][0]), len(moments[0])) if moments else (0, 0)
+    return [tuple(c[part * size:(part + 1) * size] for part in range(parts)) for c in counts
             if not any(other != c and all(o >= m for o, m in zip(other, c)) for other in counts)]
 
 
