@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from titan_core.data.prepare import main as prepare_main
 from titan_core.data.text import check_documents
 from titan_core.data.tokens import CHECKSUM_BLOCK, Samples, TokenLoader, TokenShards
 from titan_core.errors import ConfigError
+from titan_core.forked_jobs import FRESH
 from titan_core.testing import TINY, error_line, install_plugins, run_job
 
 SEQ = 32
@@ -259,8 +261,8 @@ def declare():
 
 @hookimpl
 def on_step_end(step):
-    \"\"\"crashing: rank 1 aborts after step 2, as a library's failed check in native code does.\"\"\"
-    if step == 2 and os.environ.get("RANK") == "1":
+    \"\"\"crashing: the job's last rank aborts after step 2, as a library's failed check in native code does.\"\"\"
+    if step == 2 and int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
         os.abort()
 """
 
@@ -281,6 +283,24 @@ def test_a_native_crash_is_one_line_and_the_stack_is_in_the_ranks_log(tmp_path):
     assert "resource_tracker" not in result.stderr, result.stderr  # the semaphores rank 1 leaves are freed quietly
     stack = log.read_text().split("Fatal Python error: Aborted", 1)[1]
     assert "in on_step_end" in stack and "in worker_main" in stack
+
+
+def test_a_single_process_jobs_native_crash_is_one_line_too(tmp_path, monkeypatch):
+    """No launcher of ours watches a job of one process (nor a torchrun rank): a process beside it, reading what
+    faulthandler writes, says it crashed and where the stack is."""
+    env = install_plugins(tmp_path / "site", {"crashing": (CRASHING, "")}, "crashing")
+    # A job that ends any other way leaves nothing of it: no line, nothing more in its log.
+    finished = run_job([*TINY, "+plugins=[crashing]", "training.steps=1"], tmp_path / "done", env=env)
+    assert "crashed" not in finished.stderr and "Fatal" not in (tmp_path / "done" / "logs" / "rank0.log").read_text()
+    # Its own interpreter, whose stderr the test reads to its end: the line comes as the job's process dies.
+    monkeypatch.setenv(FRESH, "1")
+    result = run_job([*TINY, "+plugins=[crashing]"], tmp_path / "run", expect_success=False, env=env, timeout=120)
+    log = tmp_path / "run" / "logs" / "rank0.log"
+    assert result.returncode == -signal.SIGABRT
+    assert result.stderr.strip().splitlines() == [
+        f"titan-core: rank 0 crashed (Fatal Python error: Aborted); its stack is in {log}"], result.stderr
+    stack = log.read_text().split("Fatal Python error: Aborted", 1)[1]
+    assert "in on_step_end" in stack and "in hydra_main" in stack
 
 
 def test_the_memory_bound_can_be_switched_off(tmp_path):

@@ -45,7 +45,8 @@ def hydra_main(config) -> None:
         # before the process group forms, and torchrun stops the others.
         if not config.launch.dry_run:
             apply_model_folder(config)
-            _exit_if_stopped(train(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), run_dir))
+            _exit_if_stopped(train(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), run_dir,
+                                   own_crash_line=True))
         return
     try:
         nodes = job_nodes()
@@ -65,7 +66,7 @@ def hydra_main(config) -> None:
             print(estimate_here(config, plan), flush=True)
         return
     if under_torchrun() or plan.world_size == 1:
-        _exit_if_stopped(train(config, run_dir))
+        _exit_if_stopped(train(config, run_dir, own_crash_line=True))
     else:
         launch_workers(config, run_dir, plan.world_size, nodes)
 

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from titan_core.data import shared_tokenizer
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
+from titan_core.launch.crash_line import start_crash_line
 from titan_core.launch.provenance import read_run_record
 from titan_core.mesh import cpu_threads, device_for_rank
 from titan_core.plugins import Hooks, Registry, build_plan
@@ -48,11 +49,13 @@ def worker_main(config_yaml: str, run_dir: str) -> None:
         raise SystemExit(exit_code(stopped))
 
 
-def train(config, run_dir: Path) -> signal.Signals | None:
-    """This rank's share of the job; returns the signal that stopped it before its last step, or None."""
+def train(config, run_dir: Path, own_crash_line: bool = False) -> signal.Signals | None:
+    """This rank's share of the job; returns the signal that stopped it before its last step, or None.
+    ``own_crash_line``: no launcher of ours watches this process (the user started it), so a native crash is
+    reported by a process beside it."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), config.launch.device)
-    _configure_logging(run_dir, rank)
+    _configure_logging(run_dir, rank, own_crash_line)
     if device.type == "cpu" and (threads := cpu_threads(config.launch, world_size)):
         torch.set_num_threads(threads)
     backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -156,17 +159,34 @@ def rank_log(run_dir: Path, rank: int) -> Path:
     return run_dir / "logs" / f"rank{rank}.log"
 
 
-def _configure_logging(run_dir: Path, rank: int) -> None:
+class _RankLog(logging.FileHandler):
+    """The rank's log file, with the process that reports the rank's native crash when it has one (see
+    :mod:`titan_core.launch.crash_line`), which closing the log ends."""
+
+    def __init__(self, path: Path, rank: int, crash_line: bool):
+        super().__init__(path)
+        self.crash_line = start_crash_line(path, rank) if crash_line else None
+
+    def close(self) -> None:
+        if self.crash_line is not None:
+            self.crash_line.stdin.close()
+            self.crash_line.wait()
+            self.crash_line = None
+        super().close()
+
+
+def _configure_logging(run_dir: Path, rank: int, crash_line: bool) -> None:
     """Every rank logs to logs/rank<r>.log in the run dir; rank 0 also to the console."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger("titan_core")
     logger.setLevel(logging.INFO)
     logger.propagate, logger.disabled = False, False  # whatever a logging config applied before left it
+    faulthandler.disable()  # it writes into the log being closed
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
     fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s", "%H:%M:%S")
-    handlers = [logging.FileHandler(rank_log(run_dir, rank))]
+    handlers = [_RankLog(rank_log(run_dir, rank), rank, crash_line)]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
         handlers[-1].addFilter(lambda record: not record.exc_info)  # tracebacks stay in the file
@@ -174,6 +194,8 @@ def _configure_logging(run_dir: Path, rank: int) -> None:
         handler.setFormatter(fmt)
         logger.addHandler(handler)
     # A native crash (an abort in a library, a segfault) writes every thread's Python stack into the log, where
-    # the launcher's line for the dead worker points, rather than pages of frames on the console (torch's elastic
-    # wrapper sends them to stderr). An in-process sweep's next job closes this handler and enables its own.
-    faulthandler.enable(handlers[0].stream, all_threads=True)
+    # the launcher's line for the dead worker (or the crash line's process) points, rather than pages of frames on
+    # the console (torch's elastic wrapper sends them to stderr). An in-process sweep's next job closes this
+    # handler and enables its own.
+    crash_line = handlers[0].crash_line
+    faulthandler.enable(crash_line.stdin if crash_line else handlers[0].stream, all_threads=True)
