@@ -82,7 +82,9 @@ class Estimate:
     gathers early, of the weights of terms added ``when="regathered"``) and ``prefetched_gathered(e, index)``
     (what that prefetch gathers of block ``index``; None: all of :meth:`block_gathered`), ``logits_tokens`` (tokens
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
-    forward and makes one chunk's again in backward), ``output_kept`` (bytes per token that each micro-batch keeps
+    forward and makes one chunk's again in backward), ``fused_loss`` (the loss runs as fused kernels, which keep the
+    logits in the model's dtype and make only their gradient: a compiled loss; :attr:`facts` are then
+    :attr:`ModelFacts.with_fused_loss`), ``output_kept`` (bytes per token that each micro-batch keeps
     until its backward ends beside what its blocks keep: a pipeline stage's output, which torch's stage holds as
     that backward's root, less its input, a tensor held elsewhere that its first block keeps; a value or a
     function of the estimate),
@@ -143,6 +145,7 @@ class Estimate:
     backward_prefetch: int = 0
     prefetched_gathered: Callable[[Estimate, int], float] | None = None
     logits_tokens: int | None = None
+    fused_loss: bool = False
     output_kept: float | Callable[[Estimate], float] = 0.0
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
     expert_load: float = 1.0
@@ -169,7 +172,8 @@ class Estimate:
 
     @property
     def facts(self) -> ModelFacts:
-        return self.facts_in(self.compute_dtype)
+        facts = self.facts_in(self.compute_dtype)
+        return facts.with_fused_loss if self.fused_loss else facts
 
     @property
     def seq_len(self) -> int:

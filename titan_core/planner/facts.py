@@ -18,7 +18,7 @@ import functools
 import math
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +124,16 @@ class ModelFacts:
         keeping those of ``ops`` (as :meth:`made_by` takes them) does not keep, and so runs again in backward."""
         flops = self.block_product_flops[index]
         return sum(v for op, v in flops.items() if op != ALTERNATE_MATMULS) - _of(flops, ops, every_other_matmul)
+
+    @functools.cached_property
+    def with_fused_loss(self) -> ModelFacts:
+        """The same model's facts with its loss compiled into fused kernels (the compile plugin's
+        ``compile_loss``; TorchTitan compiles its loss with its blocks since April 2025): the loss keeps the logits
+        as the model returned them instead of their float32 log-probabilities, and its backward holds only their
+        gradient, in that dtype, instead of float32 ones (measured on this CPU by the compile plugin's tests: 2 and
+        2 bytes per token and vocabulary entry for bf16 logits, against eager's 4 and 8)."""
+        return replace(self, outer_saved=self.outer_saved - self.outer_logits + self.output,
+                                   outer_logits=self.output, loss_backward=self.output)
 
 
 def _of(table: dict[str, float], ops, every_other_matmul: bool) -> float:

@@ -103,6 +103,7 @@ FUSED_TRAFFIC = 0.5
 def estimate_fusion(estimate, plugin_config) -> None:
     if plugin_config.backend == "inductor":
         estimate.fusion *= FUSED_TRAFFIC
+        estimate.fused_loss = estimate.fused_loss or bool(plugin_config.compile_loss)
 
 
 class CompilePlugin:
@@ -145,7 +146,8 @@ class CompilePlugin:
 
     @hookimpl
     def estimate_costs(self, estimate, plugin_config):
-        """compile: inductor fuses the elementwise ops, halving their traffic through device memory."""
+        """compile: inductor fuses the elementwise ops, halving their traffic through device memory; a loss it
+        compiles keeps no float32 copy of the logits."""
         estimate_fusion(estimate, plugin_config)
 
     @hookimpl

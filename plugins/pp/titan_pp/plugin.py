@@ -214,6 +214,10 @@ def estimate_costs(estimate, plugin_config, plan):
     # the step ends, so that every tensor it sends lives until then.
     ordered = kind.looped and plugin_config.schedule != "LoopedBFS" and microbatches > 1
 
+    def stream_per_token(e) -> float:
+        """Bytes per token of the residual stream between stages on this rank: a stage's input, its gradient."""
+        return e.facts.block_input / e.stream_split
+
     def held(rank: int) -> dict:
         """The fields saying how many micro-batches rank ``rank`` keeps at its first backward of a step and at
         its worst later one, in units of all its blocks (for several stages a rank, as torch's order of its
@@ -245,7 +249,7 @@ def estimate_costs(estimate, plugin_config, plan):
         def sent(e) -> tuple[list[float], list[float]]:
             """Per stage, bytes per token of each output it sends to another rank, and of each input gradient."""
             return ([(s < last and s + 1 not in stages) * output(e, s) for s in stages],
-                    [(s > 0 and s - 1 not in stages) * e.facts.block_input / e.stream_split for s in stages])
+                    [(s > 0 and s - 1 not in stages) * stream_per_token(e) for s in stages])
 
         def units(moment, kept, made, params, outputs, gradients) -> tuple[float, float, float]:
             """(kept, waiting) in units of all the rank's blocks, and the share of its gradients that exist. What
@@ -274,14 +278,15 @@ def estimate_costs(estimate, plugin_config, plan):
         states, when the loss makes the logits chunk by chunk)."""
         if stage == last and e.logits_tokens is None:
             return e.facts.output / e.logits_split
-        return e.facts.block_input / e.stream_split
+        return stream_per_token(e)
 
     def own_kept(e, stage: int) -> float:
         """Bytes per token a stage keeps for each micro-batch beyond its blocks' activations: its output (unless
-        the stage after it, on this rank, holds it as its input: counted with the buffers), less its input, which
-        its first block keeps (the residual stream) but which the buffers count."""
-        handed_on = stage + 1 in layout.stages_of(e.rank)
-        return (not handed_on) * output(e, stage) - (stage > 0) * e.facts.block_input / e.stream_split
+        the stage after it, on this rank, holds it as its input: counted with the buffers; or a fused loss keeps
+        those logits: counted with the loss), less its input, which its first block keeps (the residual stream)
+        but which the buffers count."""
+        held_elsewhere = stage + 1 in layout.stages_of(e.rank) or (stage == last and e.fused_loss)
+        return (not held_elsewhere) * output(e, stage) - (stage > 0) * stream_per_token(e)
 
     estimate.output_kept = lambda e: sum(own_kept(e, s) for s in layout.stages_of(e.rank))
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
@@ -297,7 +302,7 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.bubble = (degree - 1) / (rounds + degree - 1)
 
     def stream(e) -> float:  # bytes of one micro-batch's residual stream on this rank
-        return e.facts.block_input * e.microbatch_tokens / e.stream_split
+        return stream_per_token(e) * e.microbatch_tokens
 
     # Per micro-batch, each stage sends its output to the next stage and its input's gradient to the previous one,
     # and receives into buffers of its own, made once and kept: one per micro-batch from each neighbouring stage
