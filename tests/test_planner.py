@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -343,6 +344,28 @@ def test_a_pipeline_stage_keeps_each_micro_batchs_output_until_its_backward(tmp_
         assert abs(error) < 0.01, (rank, error)
         if last_stage:
             assert without < -0.03, without
+
+
+@pytest.mark.slow
+def test_a_compiled_loss_holds_what_the_planner_counts():
+    """The core's loss, on bf16 logits, measured in a fresh interpreter (loss_memory.py): eager, it keeps their
+    float32 log-probabilities (2x the logits' bytes) and its backward holds two float32 gradients (4x); compiled,
+    it keeps the logits themselves (1x) and its backward holds their gradient (1x). The planner's facts, eager
+    and with compile_loss (``ModelFacts.with_fused_loss``), count the same, within 5% (2 against 1 is what a
+    planner counting the compiled loss as eager would be off by)."""
+    script = Path(__file__).with_name("loss_memory.py")
+    measuring = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert measuring.returncode == 0, measuring.stderr[-3000:]
+    measured = json.loads(measuring.stdout.splitlines()[-1])
+    _, estimate = job_estimate([*SMALL, "launch.device=cpu", "+plugins=[compile]", "plugins.compile.compile_loss=true"])
+    assert estimate.facts is estimate.facts_in(estimate.compute_dtype).with_fused_loss  # what the peak reads
+    eager = estimate.facts_in(torch.bfloat16)
+    for facts, holds in ((eager, measured["eager"]), (eager.with_fused_loss, measured["compiled"])):
+        print(f"kept {holds['kept']:.3f} (planned {facts.outer_logits / facts.output:.3f}), backward "
+              f"{holds['backward']:.3f} (planned {facts.loss_backward / facts.output:.3f}) x the logits")
+        assert facts.outer_logits / facts.output == pytest.approx(holds["kept"], rel=0.05)
+        assert facts.loss_backward / facts.output == pytest.approx(holds["backward"], rel=0.05)
 
 
 def test_a_fused_loss_keeps_a_pipelines_last_logits_once():

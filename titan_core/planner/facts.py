@@ -130,10 +130,10 @@ class ModelFacts:
         """The same model's facts with its loss compiled into fused kernels (the compile plugin's
         ``compile_loss``; TorchTitan compiles its loss with its blocks since April 2025): the loss keeps the logits
         as the model returned them instead of their float32 log-probabilities, and its backward holds only their
-        gradient, in that dtype, instead of float32 ones (measured on this CPU by the compile plugin's tests: 2 and
+        gradient, in that dtype, instead of float32 ones (measured on this CPU, tests/loss_memory.py: 2 and
         2 bytes per token and vocabulary entry for bf16 logits, against eager's 4 and 8)."""
         return replace(self, outer_saved=self.outer_saved - self.outer_logits + self.output,
-                                   outer_logits=self.output, loss_backward=self.output)
+                       outer_logits=self.output, loss_backward=self.output)
 
 
 def _of(table: dict[str, float], ops, every_other_matmul: bool) -> float:

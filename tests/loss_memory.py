@@ -4,7 +4,7 @@ For bf16 logits of ``TOKENS`` x ``VOCABULARY``, in multiples of the logits' own 
 keeps for backward once the caller has let go of its logits: the logits themselves if it keeps them) and
 ``backward`` (the most its backward holds beyond what it started with). Read from the process's resident memory,
 which follows every tensor here: each is larger than glibc's largest mmap threshold (32 MiB), so allocated and
-freed straight from the kernel. Run in a fresh interpreter (tests/test_compile.py does) so nothing else moves it.
+freed straight from the kernel. Run in a fresh interpreter (tests/test_planner.py does) so nothing else moves it.
 """
 
 import gc
