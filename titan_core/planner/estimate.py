@@ -84,7 +84,7 @@ class Estimate:
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
     forward and makes one chunk's again in backward), ``fused_loss`` (the loss runs as fused kernels, which keep the
     logits in the model's dtype and make only their gradient: a compiled loss; :attr:`facts` are then
-    :attr:`ModelFacts.with_fused_loss`), ``output_kept`` (bytes per token that each micro-batch keeps
+    :attr:`ModelFacts.with_fused_loss` when :attr:`loss_keeps_logits`), ``output_kept`` (bytes per token that each micro-batch keeps
     until its backward ends beside what its blocks keep: a pipeline stage's output, which torch's stage holds as
     that backward's root, less its input, a tensor held elsewhere that its first block keeps; a value or a
     function of the estimate),
@@ -173,7 +173,13 @@ class Estimate:
     @property
     def facts(self) -> ModelFacts:
         facts = self.facts_in(self.compute_dtype)
-        return facts.with_fused_loss if self.fused_loss else facts
+        return facts.with_fused_loss if self.loss_keeps_logits else facts
+
+    @property
+    def loss_keeps_logits(self) -> bool:
+        """Whether the loss keeps for backward the logits the model returned, not a float32 copy: a fused loss over
+        whole logits (one that makes them chunk by chunk is counted as eager: its compiled form is not measured)."""
+        return self.fused_loss and self.logits_tokens is None
 
     @property
     def seq_len(self) -> int:

@@ -285,7 +285,7 @@ def estimate_costs(estimate, plugin_config, plan):
         the stage after it, on this rank, holds it as its input: counted with the buffers; or a fused loss keeps
         those logits: counted with the loss), less its input, which its first block keeps (the residual stream)
         but which the buffers count."""
-        held_elsewhere = stage + 1 in layout.stages_of(e.rank) or (stage == last and e.fused_loss)
+        held_elsewhere = stage + 1 in layout.stages_of(e.rank) or (stage == last and e.loss_keeps_logits)
         return (not held_elsewhere) * output(e, stage) - (stage > 0) * stream_per_token(e)
 
     estimate.output_kept = lambda e: sum(own_kept(e, s) for s in layout.stages_of(e.rank))
