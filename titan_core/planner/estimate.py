@@ -84,9 +84,10 @@ class Estimate:
     whose logits exist at once, None: a micro-batch's; a loss that computes them chunk by chunk keeps none from
     forward and makes one chunk's again in backward), ``fused_loss`` (the loss runs as fused kernels, which keep the
     logits in the model's dtype and make only their gradient: a compiled loss; :attr:`facts` are then
-    :attr:`ModelFacts.with_fused_loss` when :attr:`loss_keeps_logits`), ``output_kept`` (bytes per token that each micro-batch keeps
-    until its backward ends beside what its blocks keep: a pipeline stage's output, which torch's stage holds as
-    that backward's root, less its input, a tensor held elsewhere that its first block keeps; a value or a
+    :attr:`ModelFacts.with_fused_loss` when :attr:`loss_keeps_logits`), ``output_kept`` (bytes per token that each
+    micro-batch keeps until its backward ends beside what its blocks keep: a pipeline stage's output, which
+    torch's stage holds as that backward's root, less its input, a tensor held elsewhere that its first block
+    keeps; a value or a
     function of the estimate),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a

@@ -127,8 +127,8 @@ class ModelFacts:
 
     @functools.cached_property
     def with_fused_loss(self) -> ModelFacts:
-        """The same model's facts with its loss compiled into fused kernels (the compile plugin's
-        ``compile_loss``; TorchTitan compiles its loss with its blocks since April 2025): the loss keeps the logits
+        """The same model's facts with its loss compiled into fused kernels (by inductor; TorchTitan compiles its
+        loss with its blocks since April 2025): the loss keeps the logits
         as the model returned them instead of their float32 log-probabilities, and its backward holds only their
         gradient, in that dtype, instead of float32 ones (measured on this CPU, tests/loss_memory.py: 2 and
         2 bytes per token and vocabulary entry for bf16 logits, against eager's 4 and 8)."""

@@ -58,8 +58,9 @@ def test_compile_composes_with_tp(titan_reference, tmp_path):
 
 @pytest.mark.slow
 def test_compile_composes_with_pipeline_stages(titan_reference, tmp_path):
-    assert_matches_eager(["+plugins=[pp,compile]", "plugins.pp.degree=2", "plugins.pp.schedule=1F1B"],
-                         titan_reference, tmp_path)
+    """Blocks compiled on each stage, and the loss on the last, which the schedule calls per micro-batch."""
+    assert_matches_eager(["+plugins=[pp,compile]", "plugins.pp.degree=2", "plugins.pp.schedule=1F1B",
+                          "plugins.compile.compile_loss=true"], titan_reference, tmp_path)
 
 
 @pytest.mark.parametrize("override, message", [
