@@ -943,6 +943,31 @@ def test_an_outsiders_kept_outputs_and_gradients_made_reach_the_peak(tmp_path):
 
 
 
+# A plugin written from docs/writing-plugins.md: a fused cross-entropy kernel of its own (no torch.compile).
+FUSED_CROSS_ENTROPY = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """fusedce: the loss runs as one fused kernel, keeping the logits as returned and making only their gradient."""
+    estimate.fused_loss = True
+'''
+
+
+def test_an_outsiders_fused_loss_reaches_the_peak(tmp_path):
+    """Estimate.fused_loss, set by a plugin written from docs/writing-plugins.md: the plan command prints the
+    activations the core's fused facts give, less than the eager loss's by more than the printed rounding."""
+    env = install_plugins(tmp_path / "site", {"fusedce": (FUSED_CROSS_ENTROPY, "")}, "fusedce-plugin")
+    done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[fusedce]", env=env)
+    assert done.returncode == 0, done.stderr
+    _, plain = job_estimate(["--hardware", "a100", *SMALL])
+    fused = dataclasses.replace(plain, fused_loss=True)
+    expected = fused.memory()["activations"]
+    assert _printed_bytes(done.stdout, "    activations") == pytest.approx(expected, abs=0.011 * 2**20)
+    assert plain.memory()["activations"] - expected > 0.1 * 2**20
+
+
 VOCAB_SPLIT = '''
 from titan_core import hookimpl
 
