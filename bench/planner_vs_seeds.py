@@ -102,27 +102,28 @@ CARDS = [  # (card's profile, source and job, overrides, published TPS/GPU, publ
 ]
 
 
-def predicted(overrides: list[str], hardware: str = HARDWARE) -> tuple[float, float]:
-    """TPS/GPU and GiB of the most loaded rank, as the planner predicts them."""
+def predicted(overrides: list[str], hardware: str = HARDWARE) -> tuple[float, float, float]:
+    """TPS/GPU and GiB allocated and reserved by the most loaded rank, as the planner predicts them."""
     _, estimate = job_estimate(["--hardware", hardware, *overrides])
     rank = estimate.most_loaded()
-    return rank.tokens_per_device(), sum(rank.memory().values()) / GIB
+    return rank.tokens_per_device(), sum(rank.memory().values()) / GIB, rank.reserved() / GIB
 
 
 def table(rows) -> dict[str, dict[str, list[float]]]:
     """Prints each row beside its prediction; returns the errors by card and kind."""
-    print("| card | job | TPS/GPU published | predicted | error | memory GiB published | predicted | error |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| card | job | TPS/GPU published | predicted | error | memory GiB published (reserved) | allocated | "
+          "reserved | error |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     errors: dict[str, dict[str, list[float]]] = {}
     for card, name, overrides, tps, memory in rows:
-        got_tps, got_memory = predicted(overrides, card)
+        got_tps, allocated, got_memory = predicted(overrides, card)
         card_errors = errors.setdefault(card, {"tps": [], "memory": []})
         card_errors["tps"].append(got_tps / tps - 1)
         memory_error = "" if memory is None else f"{got_memory / memory - 1:+.0%}"
         if memory is not None:
             card_errors["memory"].append(got_memory / memory - 1)
         print(f"| {card} | {name} | {tps:,} | {got_tps:,.0f} | {got_tps / tps - 1:+.0%} | {memory or 'not given'} | "
-              f"{got_memory:.1f} | {memory_error} |", flush=True)
+              f"{allocated:.1f} | {got_memory:.1f} | {memory_error} |", flush=True)
     return errors
 
 

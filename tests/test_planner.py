@@ -29,6 +29,9 @@ from titan_lora.plugin import LoraPlugin
 spec = importlib.util.spec_from_file_location("tracked_rank", Path(__file__).with_name("tracked_rank.py"))
 tracked_rank = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tracked_rank)
+replay_spec = importlib.util.spec_from_file_location("allocator_replay", Path(__file__).with_name("allocator_replay.py"))
+allocator_replay = importlib.util.module_from_spec(replay_spec)
+replay_spec.loader.exec_module(allocator_replay)
 
 CPU = Hardware("cpu-test", "", bf16_tflops=0.1, memory_gib=16.0, memory_gbps=10.0, intra_node_gbps=1.0,
                inter_node_gbps=1.0, devices_per_node=1024, achievable=1.0, device_type="cpu")
@@ -49,12 +52,12 @@ def _estimate(*overrides):
     return config, registry, plan, estimate(config, plan, registry, CPU)
 
 
-def _tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
+def _tracked_step(config, registry, plan, fake_tensors: bool = False, allocations: list | None = None) -> dict:
     """Torch's tracker over a step of rank 0 of the plan, in this process: a fake process group stands in for the
     other ranks (its collectives move nothing but make their results at full size)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        return tracked_rank.tracked_step(config, registry, plan, fake_tensors)
+        return tracked_rank.tracked_step(config, registry, plan, fake_tensors, allocations)
     finally:
         dist.destroy_process_group()
 
@@ -405,6 +408,23 @@ def test_a_tensor_parallel_pipelines_ranks_match_the_tracker_with_the_logits_spl
         print(f"rank {rank}: {error:+.1%}")
         assert abs(error) < 0.05, (rank, error)
 
+@pytest.mark.parametrize("overrides", [(), ("plugins.tp.sequence_parallel=false",), ("plugins.tp.loss_parallel=false",)],
+                         ids=["loss-parallel", "loss-parallel-without-sequence-parallel", "logits-gathered"])
+def test_tensor_parallels_logits_match_the_tracker_where_they_make_the_peak(overrides):
+    """tp 2 on a vocabulary of 16,384, whose logits and the loss's tensors of their shape are most of the peak:
+    within 1%. Under loss parallel the logits' gradients are split by vocabulary (``logits_split``; divided by the
+    split blended with the outputs' other tensors, this plan was 21% under and Llama 3 70B's widths at 2 x 8,192
+    tokens a rank 36% over, where the outputs' other tensors are larger), torch's loss-parallel backward makes a
+    third float32 tensor of their shape, and with sequence parallel the final norm's tensors stay split."""
+    config, registry, plan, result = _estimate("launch.device=cpu", "training.seq_len=256", "model.vocab_size=16384",
+                                               "+plugins=[tp]", "plugins.tp.degree=2", *overrides)
+    measured = _tracked_step(config, registry, plan)
+    logits = config.training.global_batch_size * config.training.seq_len * 16384 * 4 / result.logits_split  # float32
+    assert result.logits_split == (1 if "plugins.tp.loss_parallel=false" in overrides else 2)
+    assert measured["Total"] > 3 * logits  # the loss's tensors of the logits' shape are most of the peak
+    assert abs(sum(result.memory().values()) / measured["Total"] - 1) < 0.01
+
+
 # The CI's stack matrix (tests/test_stack_matrix.py), each stack tracked on its own real world.
 stack_spec = importlib.util.spec_from_file_location("ci_stacks", Path(__file__).with_name("test_stack_matrix.py"))
 ci_stacks = importlib.util.module_from_spec(stack_spec)
@@ -446,17 +466,29 @@ def test_a_recomputing_pipeline_stage_of_experts_matches_the_tracker(tmp_path):
 
 
 @pytest.mark.slow
-def test_llama_8b_on_8_gpus_matches_the_tracker_at_full_size():
-    """The seeds' first plan, Llama 3.1 8B under FSDP 8 at 2 x 8,192 tokens per rank in bf16, on fake tensors."""
+def test_llama_8b_on_8_gpus_matches_the_tracker_and_the_allocator_at_full_size():
+    """The seeds' first job, Llama 3.1 8B under FSDP 8 at 2 x 8,192 tokens per rank in bf16 with TorchTitan's
+    selective checkpointing, on fake tensors: what is allocated within 2% of the tracker, and what a GPU's caching
+    allocator would reserve (``Estimate.reserved``) within 2% of the step's allocations replayed through a model
+    of it (tests/allocator_replay.py; measured: 76.8 GiB planned, 77.4 replayed), which reserves a seventh more
+    than is allocated (67.8 GiB): the all-gathers' and the reduce-scatters' streams keep their blocks, and the
+    eager loss leaves the bf16 logits' room free."""
     config = compose("model=8B", "tokenizer.path=bytes", "launch.device=cpu", "training.seq_len=8192",
-                     "training.global_batch_size=16", "+plugins=[fsdp]", "plugins.fsdp.degree=8",
-                     "plugins.fsdp.param_dtype=bfloat16")
+                     "training.global_batch_size=16", "+plugins=[fsdp,ac]", "plugins.fsdp.degree=8",
+                     "plugins.fsdp.param_dtype=bfloat16", "plugins.ac.mode=selective_op",
+                     "plugins.ac.matmuls=every_other")
     registry = Registry(config)
     plan = build_plan(config, registry, None, 256)
-    predicted = estimate(config, plan, registry, CPU).memory()
-    measured = _tracked_step(config, registry, plan, fake_tensors=True)
+    result = dataclasses.replace(estimate(config, plan, registry, CPU), device_type="cuda")
+    allocations = []
+    measured = _tracked_step(config, registry, plan, fake_tensors=True, allocations=allocations)
+    allocated, reserved = allocator_replay.replay(*allocations)
     assert measured["Total"] > 60 * GIB
-    assert abs(sum(predicted.values()) / measured["Total"] - 1) < 0.02
+    assert allocated == pytest.approx(measured["Total"], rel=1e-3)  # the replay allocates what the tracker counts
+    assert abs(sum(result.memory().values()) / measured["Total"] - 1) < 0.02
+    assert reserved > 1.1 * allocated
+    assert sum(result.memory().values()) < 0.9 * result.reserved()
+    assert abs(result.reserved() / reserved - 1) < 0.02, (result.reserved() / GIB, reserved / GIB)
 
 
 @pytest.mark.slow
@@ -981,7 +1013,8 @@ def estimate_costs(estimate, plugin_config):
 
 def test_an_outsiders_logits_split_reaches_what_a_pipelines_last_stage_keeps(tmp_path):
     """Estimate.logits_split, set by a plugin written from docs/writing-plugins.md and read by pp, which knows no
-    such plugin: GPipe's last stage keeps each of its four micro-batches' logits, half as large split two ways."""
+    such plugin: GPipe's last stage keeps each of its four micro-batches' logits, and its loss makes their
+    gradients, half as large split two ways."""
     env = install_plugins(tmp_path / "site", {"vocabsplit": (VOCAB_SPLIT, "ways: 2\n")}, "vocabsplit-plugin")
     pipeline = ("launch.world_size=2", "plugins.pp.degree=2", "plugins.pp.schedule=GPipe", "plugins.pp.microbatches=4")
 
@@ -993,7 +1026,7 @@ def test_an_outsiders_logits_split_reaches_what_a_pipelines_last_stage_keeps(tmp
     _, alone = job_estimate(["--hardware", "a100", *SMALL, "+plugins=[pp]", *pipeline])  # as the command has it
     last = alone.most_loaded()
     assert last.holds_outputs and last.first_backward(last) == (4, 0)  # its peak: every forward before a backward
-    halved = 4 * last.microbatch_tokens * last.facts.output / 2
+    halved = last.microbatch_tokens * (4 * last.facts.output + last.facts.loss_backward) / 2
     assert printed("pp") - printed("pp", "vocabsplit") == pytest.approx(halved, abs=0.011 * 2**20)
     assert halved > 0.1 * 2**20  # beyond the printed rounding
 
@@ -1213,21 +1246,22 @@ def test_each_cards_efficiency_predicts_its_other_published_runs():
     """A100, MI300X and H200 runs (published, bench/planner_vs_seeds.py) that set nothing, on their cards' profiles:
     tokens/s within 20%. With the H100's efficiency for every card, A100 runs were 35-46% slow, MI300X 49-106%
     fast; with the float8 peak's ratio for float8's speed-up, MI300X float8 runs were 97-106% fast. Memory, what
-    is allocated, at most 5% over what the allocator reserved: the H200 runs, which compiled their loss, were
-    planned 22% over while the planner counted a compiled loss's float32 logits."""
+    the allocator reserves (``Estimate.reserved``), within 10% of what it reserved: what is allocated was 17% to 19%
+    under on the MI300X, 10% to 11% on the H200 (whose runs compiled their loss: 22% over while the planner
+    counted a compiled loss's float32 logits)."""
     rows = [row for row in published.CARDS if row[1] not in SET_FROM and not row[0].startswith("h100")]
     assert {row[0] for row in rows} == {"a100", "mi300x", "h200"}
     for card, name, overrides, tps, reserved in rows:
-        got, memory = published.predicted(overrides, card)
+        got, _, memory = published.predicted(overrides, card)
         assert abs(got / tps - 1) < 0.2, (name, got, tps)
-        assert reserved is None or memory < 1.05 * reserved, (name, memory, reserved)
+        assert reserved is None or abs(memory / reserved - 1) < 0.1, (name, memory, reserved)
 
 
 @pytest.mark.slow
 def test_every_published_seed_job_fits_and_is_planned_near_what_it_did():
-    """TorchTitan's 17 published Llama 3.1 jobs (bench/planner_vs_seeds.py's ROWS): each fits; its memory, what is
-    allocated, is at most 5% over what the allocator reserved and at most 30% under (table 6's CP 8 job reserved
-    84.9 of the card's 96 GiB, planned 62.1: near its limit the allocator reserves what it can); tokens/s within
+    """TorchTitan's 17 published Llama 3.1 jobs (bench/planner_vs_seeds.py's ROWS): each fits; what the allocator
+    reserves is at most 5% over what it reserved and at most 30% under (table 6's CP 8 job reserved 84.9 of the
+    card's 96 GiB, planned 62.1: near its limit the allocator reserves what it can); tokens/s within
     20%, but for the sequences of 131,072 and 262,144 tokens (tables 2 and 6), where attention, priced at the
     matmuls' share of the peak, does most of the work: +20% to +25% since selective checkpointing's rerun matmuls
     were priced and the H100's share set again (within 13% before, when the unpriced FLOPs kept every share low).
@@ -1235,8 +1269,8 @@ def test_every_published_seed_job_fits_and_is_planned_near_what_it_did():
     +31%."""
     usable = hardware_profile(published.HARDWARE).usable_gib
     for number, name, overrides, tps, memory in published.ROWS:
-        got_tps, got_memory = published.predicted(overrides)
-        assert got_memory < usable and -0.30 < got_memory / memory - 1 < 0.05, (number, name, got_memory, memory)
+        got_tps, allocated, got_memory = published.predicted(overrides)
+        assert allocated < usable and -0.30 < got_memory / memory - 1 < 0.05, (number, name, got_memory, memory)
         long_sequence = "training.seq_len=131072" in overrides or "training.seq_len=262144" in overrides
         assert abs(got_tps / tps - 1) < (0.26 if long_sequence else 0.2), (number, name, got_tps, tps)
 
@@ -1273,6 +1307,25 @@ def test_the_estimate_says_by_how_much_it_fits_and_how_far_off_the_planner_has_b
     a100 = dataclasses.replace(a100, hardware=hardware_profile("a100"))  # a card judged by its own runs
     assert report(a100).splitlines()[-1].endswith("on A100s, one setting its efficiency, bench/planner_vs_seeds.py): "
                                                   "memory not published; tokens/s mean 4%, worst -8%")
+
+
+def test_the_estimate_prints_what_the_allocator_reserves_and_why():
+    """On a GPU the report adds to the allocated peak what the caching allocator keeps then, each term named by
+    its plugin (fsdp's streams, the core's eager loss); "fits" stays judged on what is allocated. A CPU's
+    allocator returns what is freed: nothing is added."""
+    *_, sharded = _estimate("launch.world_size=2", "+plugins=[fsdp]", "plugins.fsdp.degree=2",
+                            "plugins.fsdp.param_dtype=bfloat16")
+    gpu = dataclasses.replace(sharded, device_type="cuda")
+    allocated, text = sum(gpu.memory().values()), report(gpu)
+    cached = {what: evaluated(nbytes, gpu) for _, what, nbytes, _, when in gpu.memory_terms if when == "cached"}
+    assert len(cached) == 3 and all(nbytes > 0 for nbytes in cached.values())
+    assert gpu.reserved() == pytest.approx(allocated + sum(cached.values()))
+    assert _printed_bytes(text, "reserved by the caching allocator at that peak:") == pytest.approx(
+        gpu.reserved(), abs=0.006 * 2**20)
+    assert _printed_bytes(text, "memory per rank (the most loaded), at its peak:") == pytest.approx(
+        allocated, abs=0.006 * 2**20)
+    assert "fsdp: the reduce-scatters' stream" in text and "core: the logits' room" in text
+    assert sharded.reserved() == sum(sharded.memory().values()) and "reserved by" not in report(sharded)
 
 
 def test_recommend_says_when_nothing_fits():

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from titan_core import objective
@@ -65,7 +65,69 @@ class Tracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
 
-def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
+COMPUTE = "compute"
+
+
+class RecordingTracker(Tracker):
+    """torch's tracker, also writing down each allocation and free as it counts them: ``events`` holds
+    ``("alloc", key, bytes, stream)`` and ``("free", key)``; ``stream`` is the name of the FSDP2 stream current
+    when it was made (``COMPUTE`` outside them)."""
+
+    def __init__(self, streams: dict[int, str]):
+        super().__init__()
+        self.events: list[tuple] = []
+        self._keys: dict[int, int] = {}
+        self._streams = streams
+        self._current = [COMPUTE]
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+        key = self._keys.pop(id(winfo), None)
+        if key is not None and u_type in (_UpdateType.DEL, _UpdateType.SIZE):
+            self.events.append(("free", key))
+        if u_type in (_UpdateType.ADD, _UpdateType.SIZE) and winfo.mem_consumed:
+            self._keys[id(winfo)] = key = len(self.events)
+            self.events.append(("alloc", key, winfo.mem_consumed, self._current[-1]))
+        elif key is not None and u_type == _UpdateType.REF:
+            self._keys[id(winfo)] = key
+        return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    @contextlib.contextmanager
+    def streams_named(self):
+        """FSDP2 makes its streams current with the device module's ``stream`` context (a no-op on a CPU): while
+        one of ``streams`` is, what is allocated is allocated on it."""
+        original = torch.cpu.stream
+
+        @contextlib.contextmanager
+        def named(stream):
+            self._current.append(self._streams.get(id(stream), COMPUTE))
+            try:
+                with original(stream):
+                    yield
+            finally:
+                self._current.pop()
+        torch.cpu.stream = named
+        try:
+            yield self
+        finally:
+            torch.cpu.stream = original
+
+
+def fsdp_streams(parts) -> dict[int, str]:
+    """FSDP2's own streams in these model parts, by identity: its all-gathers' and its reductions'."""
+    names = {"all_gather_copy_in_stream": "all-gather", "all_gather_stream": "all-gather",
+             "reduce_scatter_stream": "reduce-scatter", "all_reduce_stream": "reduce-scatter"}
+    streams = {}
+    for part in parts:
+        for module in part.modules():
+            state = getattr(module, "_get_fsdp_state", lambda: None)()
+            context = getattr(state, "_comm_ctx", None)
+            for attribute, name in names.items():
+                if hasattr(context, attribute):
+                    streams[id(getattr(context, attribute))] = name
+    return streams
+
+
+def tracked_step(config, registry, plan, fake_tensors: bool = False, allocations: list | None = None) -> dict:
     """Peak bytes by category over the second training step of this rank (the optimizer's states exist from the
     first on), the core's schedule and the plugins' transforms run as in a worker, in the process group already
     initialized. Every tensor the plan's build and first step left alive is counted, not only the model's and
@@ -73,7 +135,9 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
     ``fake_tensors`` no tensor holds memory (a GPU-sized model on this machine): the tracker counts their sizes
     all the same. ``expert_load``: the rows this rank's experts computed per copy it routed in that step (what
     the plan command's ``--expert-load`` takes; 0 without the core's MoE layer), ``expert_load_peak``: the same
-    over that step's busiest micro-batch, as the model plugin's object measured it (``--expert-load-peak``)."""
+    over that step's busiest micro-batch, as the model plugin's object measured it (``--expert-load-peak``).
+    ``allocations``, when given, receives the allocations alive before the step and the step's own events, as
+    :class:`RecordingTracker` writes them (what ``allocator_replay.replay`` takes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     before = _alive_tensors()
@@ -84,12 +148,15 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False) -> dict:
         rank_load(parts)  # the first step's, left out
         for routing in _routing(registry):
             routing.micro_batch_loads.peak = 0.0
-        tracker = Tracker()
+        tracker = Tracker() if allocations is None else RecordingTracker(fsdp_streams(parts))
         kept = [t for i, t in _alive_tensors().items() if i not in before]
         tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
         del kept  # the tracker holds weak references: the step frees what it frees (last step's gradients)
-        with tracker:
+        laid = len(getattr(tracker, "events", ()))
+        with tracker, getattr(tracker, "streams_named", contextlib.nullcontext)():
             step()
+        if allocations is not None:
+            allocations += [tracker.events[:laid], tracker.events[laid:]]
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())
     return {getattr(kind, "name", kind): nbytes for kind, nbytes in peak.items()} | {

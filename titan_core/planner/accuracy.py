@@ -2,8 +2,8 @@
 
 The bands are what the benches and tests measured, copied here when they are rerun (each names its source);
 no row was tuned. A GPU estimate is judged against published runs, whose memory is what the allocator
-reserved (the planner predicts what is allocated, so it reads low); a CPU estimate against this machine's
-own steps, tracked tensor by tensor.
+reserved (against the estimate's reserved figure, ``Estimate.reserved``); a CPU estimate against this
+machine's own steps, tracked tensor by tensor.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ class ErrorBand:
 
 # bench/planner_vs_seeds.py, 2026-11-29: published runs per card (each card's efficiency set from one or two of
 # them, named in titan_core/planner/hardware.py).
-_H100 = ErrorBand("20 published Llama 3 runs on H100s, bench/planner_vs_seeds.py", 0.164, -0.278, 0.092, 0.255)
+_H100 = ErrorBand("20 published Llama 3 runs on H100s, bench/planner_vs_seeds.py", 0.085, -0.268, 0.092, 0.255)
 _BY_PROFILE = {
     **{name: _H100 for name in ("h100_sxm", "h100_sxm_96gb", "h100_pcie", "h100_nvl")},
-    "h200": ErrorBand("2 published Llama 3 runs on H200s, bench/planner_vs_seeds.py", 0.109, -0.114, 0.145, -0.153),
+    "h200": ErrorBand("2 published Llama 3 runs on H200s, bench/planner_vs_seeds.py", 0.069, -0.079, 0.145, -0.153),
     "a100": ErrorBand("3 published Llama 3 runs on A100s, one setting its efficiency, bench/planner_vs_seeds.py",
                       None, None, 0.038, -0.081),
     "mi300x": ErrorBand("4 published Llama 3 runs on MI300Xs, two setting its efficiencies, bench/planner_vs_seeds.py",
-                        0.179, -0.189, 0.024, 0.044),
+                        0.049, -0.063, 0.024, 0.044),
     # tests/test_planner.py's 35 plans and pipeline ranks against torch's memory tracker (docs/planner.md), and
     # bench/parallel_step_time.py's 10 plans (one to eight workers), tokens/s as this profile prints them.
     "cpu-measured": ErrorBand("35 plans tracked on this CPU and 10 plans' step times, docs/planner.md", 0.008, -0.030,
@@ -48,7 +48,7 @@ _BY_PROFILE = {
 }
 _BY_DEVICE_TYPE = {
     # Any other GPU: every published row of every card.
-    "cuda": ErrorBand("29 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.162, -0.278,
+    "cuda": ErrorBand("29 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.079, -0.268,
                       0.081, 0.255),
     # Any other CPU profile (one --calibrate wrote fits one process): the same tracked plans, and the tokens/s of
     # bench/parallel_step_time.py's 9 plans of several workers relative to one process.

@@ -55,6 +55,8 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     # The core's own collective: the step's trained tokens, summed over every rank before the first forward.
     result.add_collective("all-reduce of the step's trained tokens", tuple(plan.mesh_shape), 4, overlapped=False,
                           plugin="core", calls=1)
+    result.add_memory("buffers", _logits_room, "the logits' room, left when an eager loss upcasts them: its float32 "
+                      "tensors are larger", "core", when="cached")
     for name in (p.name for p in plan.plugins):
         if registry.implements(name, "estimate_costs"):
             hooks.call(name, "estimate_costs", estimate=result, config=config)
@@ -77,6 +79,17 @@ def planned_job(overrides: list[str], hardware: Hardware, expert_load: float = 1
     return plan, estimate(config, plan, registry, hardware, expert_load=expert_load, expert_load_peak=expert_load_peak)
 
 
+def _logits_room(result: Estimate) -> float:
+    """The logits as the model returns them, freed once an eager loss has made their float32 copy: as backward
+    starts that block stays free (the loss's float32 tensors and their gradients are twice its size), cached by
+    the allocator beside what is allocated (the seeds' 8B step replayed through a model of PyTorch's caching
+    allocator: tests/allocator_replay.py)."""
+    facts = result.facts
+    if not result.holds_outputs or result.logits_tokens is not None or facts.outer_logits <= facts.output:
+        return 0.0
+    return result.microbatch_tokens * facts.output / result.logits_split
+
+
 def report(result: Estimate) -> str:
     """The estimate as the plan command prints it."""
     result = result.most_loaded()
@@ -92,12 +105,19 @@ def report(result: Estimate) -> str:
             "  (made in backward as the activations are freed)" if category == "gradients" and not memory[category]
             else "  (freed by then)" if category == "activations" and not memory[category] else ""))
         for term_category, what, nbytes, plugin, when in result.memory_terms:
-            if term_category == category:
+            if term_category == category and when != "cached":
                 moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)",
                           "end": " (after the blocks' backward)",
                           "accumulated": " (as the gradients accumulate)",
                           "regathered": " (as backward reaches each block)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}{moment}")
+    reserved = result.reserved()
+    if reserved > total:
+        lines.append(f"  reserved by the caching allocator at that peak: {_size(reserved)} (torch.cuda."
+                     f"max_memory_reserved; beyond what fits, it empties its cache and retries, slower)")
+        for _, what, nbytes, plugin, when in result.memory_terms:
+            if when == "cached" and evaluated(nbytes, result) > 0:
+                lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}")
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len
     flops = result.step_flops()

@@ -22,7 +22,7 @@ from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
-MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered")  # when a memory term is held
+MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered", "cached")  # when a memory term is held
 HOLDINGS = ("blocks", "holds_inputs", "holds_outputs")  # the fields an entry of Estimate.ranks may set
 
 
@@ -198,7 +198,8 @@ class Estimate:
         ``"regathered"`` (weights resharded after forward that backward gathers again and keeps: each block's as
         backward reaches or prefetches it, ``backward_prefetch``, the rest of the rank's from its start; all of
         them at a later backward with no forward since the previous one, see ``backward_regathers``), the
-        moments :meth:`memory` weighs for the peak.
+        moments :meth:`memory` weighs for the peak; or ``"cached"``: not allocated at the peak but held by a GPU's
+        caching allocator then (what :meth:`reserved` adds).
 
         ``nbytes`` may be a function of the estimate, called when it is summed: it then sees the fields as every
         plugin left them (the dtype FSDP computes in, the blocks each pipeline rank holds)."""
@@ -206,7 +207,7 @@ class Estimate:
             raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
         if when not in MOMENTS:
             raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end', "
-                             "'accumulated' or 'regathered'")
+                             "'accumulated', 'regathered' or 'cached'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
     def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,
@@ -354,6 +355,17 @@ class Estimate:
             moments.append((*first, float(self.grad_accum > 1), True))  # the step's first backward follows a forward
         return max((self._backward_peak(*moment) for moment in moments), key=lambda memory: sum(memory.values()))
 
+    def reserved(self) -> float:
+        """Bytes a GPU's caching allocator holds at the step's peak (what TorchTitan and ``nvidia-smi`` report):
+        what is allocated then (:meth:`memory`) and what the terms added ``when="cached"`` say it keeps beyond
+        that, freed blocks no allocation of that moment can use (another stream's, or too small). On a CPU, what
+        is allocated: its allocator returns what is freed."""
+        allocated = sum(self.memory().values())
+        if self.device_type == "cpu":
+            return allocated
+        return allocated + sum(max(0.0, evaluated(nbytes, self)) for *_, nbytes, _, when in self.memory_terms
+                               if when == "cached")
+
     def _backward_peak(self, in_flight: float, waiting: float, accumulated: float, regathers: bool) -> dict[str, float]:
         """Bytes per category at the peak of one micro-batch's backward, with ``in_flight`` micro-batches'
         activations kept and ``waiting`` weight halves, that share of the gradients existing throughout
@@ -377,18 +389,20 @@ class Estimate:
         outer = tokens * self.outer_kept()
         if not self.holds_outputs:
             loss_backward = 0.0
-        elif self.logits_tokens is None:
-            loss_backward = tokens * facts.loss_backward / self.outer_split
+        elif self.logits_tokens is None:  # the logits' gradients
+            loss_backward = tokens * facts.loss_backward / self.logits_split
         else:  # one chunk's logits made again, and their gradients
-            loss_backward = min(tokens, self.logits_tokens) * (facts.outer_logits + facts.loss_backward) / self.outer_split
+            loss_backward = (min(tokens, self.logits_tokens) * (facts.outer_logits + facts.loss_backward)
+                             / self.logits_split)
         trained = self.trained_share
         all_gradients = 4 * state * trained
         made = 4 * trained * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # blocks' come later
         start, blocks, end, grown, regathered = ({category: 0.0 for category in CATEGORIES} for _ in range(5))
         memory = {category: 0.0 for category in CATEGORIES}
         for category, _, nbytes, _, when in self.memory_terms:
-            {"start": start, "blocks": blocks, "end": end, "accumulated": grown, "regathered": regathered,
-             None: memory}[when][category] += evaluated(nbytes, self)
+            if when != "cached":
+                {"start": start, "blocks": blocks, "end": end, "accumulated": grown, "regathered": regathered,
+                 None: memory}[when][category] += evaluated(nbytes, self)
         # Of the rank's gathered weights, those backward has reached as it starts (all but the blocks'), then as
         # each block runs (it, the blocks after it and those prefetched before it), and at the end.
         whole = self.held_gathered() or 1.0

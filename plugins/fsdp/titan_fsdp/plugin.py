@@ -184,6 +184,15 @@ def estimate_costs(estimate, plugin_config, plan):
         # gradients stand where the core counts shards (tracked: a stage holds the whole ones only).
         return (e.held_gathered() * reduce_bytes - 4 * e.sharded_params()) * e.trained_share
 
+    # FSDP2 gathers on a stream of its own and reduces on another: a caching allocator keeps each stream's freed
+    # blocks for that stream, so as the peak comes the gathers' room and the gradient shards' (freed by the step's
+    # start) stay reserved beside what the compute stream allocates.
+    ahead = max(plugin_config.prefetch, 1)
+    estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() * gathered_bytes(e) * ahead
+                                              + e.facts.outputs_params / e.weight_split * e.compute_dtype.itemsize),
+                        "the all-gathers' stream: a block and the output gathered", "fsdp", when="cached")
+    estimate.add_memory("buffers", lambda e: 4 * e.sharded_params() * e.trained_share - e.memory()["gradients"],
+                        "the reduce-scatters' stream: the gradient shards not made yet", "fsdp", when="cached")
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered after each backward and their gradients
         # unreduced until the last micro-batch's: whole, for every block of the rank. Resharded after forward

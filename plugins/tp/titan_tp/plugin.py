@@ -290,8 +290,18 @@ def estimate_costs(estimate, plugin_config, plan):
                         "the embedding's gradient, whole in its backward", "tp", when="end")
     if plugin_config.loss_parallel:  # the logits and the loss's tensors of their shape, split by vocabulary
         logits = facts.outer_logits
-        estimate.outer_split *= facts.outer_saved / (logits / degree + facts.outer_saved - logits)
+        rest = facts.outer_saved - logits
+        # With sequence parallel the final norm's tensors stay split along the sequence; the output layer's input,
+        # gathered along it, is whole.
+        whole = min(facts.block_input, rest) if plugin_config.sequence_parallel else rest
+        estimate.outer_split *= facts.outer_saved / ((logits + rest - whole) / degree + whole)
         estimate.logits_split *= degree
+        # Its backward (torch's loss-parallel cross entropy) makes a third float32 tensor of the logits' shape
+        # beside the two an eager loss makes (tracked: four of them as backward starts, the log-probabilities kept).
+        estimate.add_memory("activations", lambda e: e.microbatch_tokens * e.facts.outer_logits / e.logits_split
+                            if e.holds_outputs and e.logits_tokens is None and e.facts.loss_backward > e.facts.output
+                            else 0.0, "the loss-parallel backward's third float32 tensor of the logits' shape", "tp",
+                            when="start")
     estimate.dispatch_cost *= DTENSOR_DISPATCH[plugin_config.sequence_parallel]
     # Calls per forward and backward as torch runs them (counted by tests/test_planner.py): per block, the
     # stream's gathers and reduce-scatters (or all-reduces) and the all-reduces of replicated weights' gradients;
