@@ -1000,6 +1000,31 @@ def test_an_outsiders_fused_loss_reaches_the_peak(tmp_path):
     assert plain.memory()["activations"] - expected > 0.1 * 2**20
 
 
+STAGING_STREAM = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """stagingstream: copies each batch on a stream of its own, whose 64 MiB block the allocator keeps for it."""
+    estimate.add_memory("buffers", 64 << 20, "the staging stream's block", "stagingstream", when="cached")
+'''
+
+
+def test_an_outsiders_cached_term_is_reserved_not_allocated(tmp_path):
+    """A term added ``when="cached"`` by a plugin written from docs/writing-plugins.md: the plan command prints it
+    under what the allocator reserves, which grows by it, and the allocated peak (what "fits" is judged on) does
+    not move."""
+    env = install_plugins(tmp_path / "site", {"stagingstream": (STAGING_STREAM, "")}, "stagingstream-plugin")
+    done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[stagingstream]", env=env)
+    assert done.returncode == 0, done.stderr
+    _, plain = job_estimate(["--hardware", "a100", *SMALL])
+    assert _printed_bytes(done.stdout, "at its peak:") == pytest.approx(sum(plain.memory().values()), abs=0.006 * 2**20)
+    assert _printed_bytes(done.stdout, "reserved by the caching allocator at that peak:") == pytest.approx(
+        plain.reserved() + (64 << 20), abs=0.006 * 2**20)
+    assert "stagingstream: the staging stream's block 64.00 MiB" in done.stdout
+
+
 VOCAB_SPLIT = '''
 from titan_core import hookimpl
 
