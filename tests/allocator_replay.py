@@ -69,8 +69,9 @@ def replay(before: list[tuple], step: list[tuple]) -> tuple[int, int]:
     for event in step:
         if event[0] == "alloc" and event[1] not in freed:
             successors[event[2]].append(event[3])
+    gone = {event[1] for event in before if event[0] == "free"}
     laid = [("alloc", key, nbytes, successors[nbytes].pop(0) if key in freed and successors[nbytes] else stream)
-            for _, key, nbytes, stream in before]
+            for _, key, nbytes, stream in (event for event in before if event[0] == "alloc" and event[1] not in gone)]
     pools: dict[tuple[str, bool], _Pool] = {}
     live: dict[int, tuple[_Pool, list, int]] = {}
     allocated = peak_allocated = peak_reserved = 0

@@ -465,6 +465,20 @@ def test_a_recomputing_pipeline_stage_of_experts_matches_the_tracker(tmp_path):
         assert abs(sum(estimated.memory().values()) / measured["Total"] - 1) < 0.03, rank
 
 
+def test_the_allocator_model_reuses_a_streams_freed_blocks_and_maps_pages_for_the_rest():
+    """tests/allocator_replay.py's policy on a handful of requests (MiB): a freed block serves a smaller request
+    of its stream, split; a request no free block fits maps 20 MiB pages behind the pool's last block; another
+    stream maps its own, whatever the first stream has free."""
+    mib = 2**20
+    step = [("alloc", 0, 30 * mib, "compute"),  # maps 40
+            ("alloc", 1, 10 * mib, "compute"),  # the rest of those 40
+            ("free", 0),
+            ("alloc", 2, 20 * mib, "compute"),  # in the freed 30, leaving 10 free
+            ("alloc", 3, 40 * mib, "compute"),  # fits nothing free: maps 40 more
+            ("alloc", 4, 10 * mib, "reduce-scatter")]  # the free 10 would fit: another stream's, so 20 more
+    assert allocator_replay.replay([], step) == (80 * mib, 100 * mib)
+
+
 @pytest.mark.slow
 def test_llama_8b_on_8_gpus_matches_the_tracker_and_the_allocator_at_full_size():
     """The seeds' first job, Llama 3.1 8B under FSDP 8 at 2 x 8,192 tokens per rank in bf16 with TorchTitan's

@@ -81,14 +81,12 @@ class RecordingTracker(Tracker):
         self._current = [COMPUTE]
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-        key = self._keys.pop(id(winfo), None)
-        if key is not None and u_type in (_UpdateType.DEL, _UpdateType.SIZE):
-            self.events.append(("free", key))
+        # A resized storage (FSDP2 frees and refills its gathered weights so) is a free and a new allocation.
+        if u_type in (_UpdateType.DEL, _UpdateType.SIZE) and id(winfo) in self._keys:
+            self.events.append(("free", self._keys.pop(id(winfo))))
         if u_type in (_UpdateType.ADD, _UpdateType.SIZE) and winfo.mem_consumed:
-            self._keys[id(winfo)] = key = len(self.events)
-            self.events.append(("alloc", key, winfo.mem_consumed, self._current[-1]))
-        elif key is not None and u_type == _UpdateType.REF:
-            self._keys[id(winfo)] = key
+            self._keys[id(winfo)] = len(self.events)
+            self.events.append(("alloc", len(self.events), winfo.mem_consumed, self._current[-1]))
         return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
     @contextlib.contextmanager
