@@ -146,14 +146,16 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False, allocations
         rank_load(parts)  # the first step's, left out
         for routing in _routing(registry):
             routing.micro_batch_loads.peak = 0.0
-        tracker = Tracker() if allocations is None else RecordingTracker(fsdp_streams(parts))
+        recording = allocations is not None
+        tracker = RecordingTracker(fsdp_streams(parts)) if recording else Tracker()
         kept = [t for i, t in _alive_tensors().items() if i not in before]
         tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
         del kept  # the tracker holds weak references: the step frees what it frees (last step's gradients)
-        laid = len(getattr(tracker, "events", ()))
-        with tracker, getattr(tracker, "streams_named", contextlib.nullcontext)():
+        if recording:
+            laid = len(tracker.events)
+        with tracker, tracker.streams_named() if recording else contextlib.nullcontext():
             step()
-        if allocations is not None:
+        if recording:
             allocations += [tracker.events[:laid], tracker.events[laid:]]
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())

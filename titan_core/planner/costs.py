@@ -85,9 +85,8 @@ def _logits_room(result: Estimate) -> float:
     the allocator beside what is allocated (the seeds' 8B step replayed through a model of PyTorch's caching
     allocator: tests/allocator_replay.py)."""
     facts = result.facts
-    if not result.holds_outputs or result.logits_tokens is not None or facts.outer_logits <= facts.output:
-        return 0.0
-    return result.microbatch_tokens * facts.output / result.logits_split
+    upcast = facts.outer_logits > facts.output  # the logits are narrower than float32
+    return result.makes_whole_eager_loss * upcast * result.microbatch_tokens * facts.output / result.logits_split
 
 
 def report(result: Estimate) -> str:
@@ -115,9 +114,9 @@ def report(result: Estimate) -> str:
     if reserved > total:
         lines.append(f"  reserved by the caching allocator at that peak: {_size(reserved)} (torch.cuda."
                      f"max_memory_reserved; beyond what fits, it empties its cache and retries, slower)")
-        for _, what, nbytes, plugin, when in result.memory_terms:
-            if when == "cached" and evaluated(nbytes, result) > 0:
-                lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}")
+        cached = [(plugin, what, evaluated(nbytes, result)) for _, what, nbytes, plugin, when in result.memory_terms
+                  if when == "cached"]
+        lines += [f"      {plugin}: {what} {_size(nbytes)}" for plugin, what, nbytes in cached if nbytes > 0]
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len
     flops = result.step_flops()

@@ -183,6 +183,12 @@ class Estimate:
         return self.fused_loss and self.logits_tokens is None
 
     @property
+    def makes_whole_eager_loss(self) -> bool:
+        """Whether this rank's loss runs eagerly over whole logits: it holds the outputs, makes the logits at once
+        and keeps their float32 log-probabilities (the tensors of their shape it makes are counted by the trace)."""
+        return self.holds_outputs and self.logits_tokens is None and not self.loss_keeps_logits
+
+    @property
     def seq_len(self) -> int:
         return self.config.training.seq_len
 
@@ -363,8 +369,7 @@ class Estimate:
         allocated = sum(self.memory().values())
         if self.device_type == "cpu":
             return allocated
-        return allocated + sum(max(0.0, evaluated(nbytes, self)) for *_, nbytes, _, when in self.memory_terms
-                               if when == "cached")
+        return allocated + sum(evaluated(nbytes, self) for *_, nbytes, _, when in self.memory_terms if when == "cached")
 
     def _backward_peak(self, in_flight: float, waiting: float, accumulated: float, regathers: bool) -> dict[str, float]:
         """Bytes per category at the peak of one micro-batch's backward, with ``in_flight`` micro-batches'

@@ -298,9 +298,9 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.logits_split *= degree
         # Its backward (torch's loss-parallel cross entropy) makes a third float32 tensor of the logits' shape
         # beside the two an eager loss makes (tracked: four of them as backward starts, the log-probabilities kept).
-        estimate.add_memory("activations", lambda e: e.microbatch_tokens * e.facts.outer_logits / e.logits_split
-                            if e.holds_outputs and e.logits_tokens is None and e.facts.loss_backward > e.facts.output
-                            else 0.0, "the loss-parallel backward's third float32 tensor of the logits' shape", "tp",
+        estimate.add_memory("activations", lambda e: e.makes_whole_eager_loss * e.microbatch_tokens
+                            * e.facts.outer_logits / e.logits_split,
+                            "the loss-parallel backward's third float32 tensor of the logits' shape", "tp",
                             when="start")
     estimate.dispatch_cost *= DTENSOR_DISPATCH[plugin_config.sequence_parallel]
     # Calls per forward and backward as torch runs them (counted by tests/test_planner.py): per block, the
