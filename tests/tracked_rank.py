@@ -24,9 +24,14 @@ import sys
 import traceback
 from pathlib import Path
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import _sharding_prop
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from titan_core import objective
@@ -136,32 +141,48 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False, allocations
     over that step's busiest micro-batch, as the model plugin's object measured it (``--expert-load-peak``).
     ``allocations``, when given, receives the allocations alive before the step and the step's own events, as
     :class:`RecordingTracker` writes them (what ``allocator_replay.replay`` takes)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     before = _alive_tensors()
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
-    parts, optimizer, step = _training_step(config, registry, plan, fake)
-    with fake:
-        step()
-        rank_load(parts)  # the first step's, left out
-        for routing in _routing(registry):
-            routing.micro_batch_loads.peak = 0.0
-        recording = allocations is not None
-        tracker = RecordingTracker(fsdp_streams(parts)) if recording else Tracker()
-        kept = [t for i, t in _alive_tensors().items() if i not in before]
-        tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
-        del kept  # the tracker holds weak references: the step frees what it frees (last step's gradients)
-        if recording:
-            laid = len(tracker.events)
-        with tracker, tracker.streams_named() if recording else contextlib.nullcontext():
+    with _dtensor_as_in_a_real_run() if fake_tensors else contextlib.nullcontext():
+        parts, optimizer, step = _training_step(config, registry, plan, fake)
+        with fake:
             step()
-        if recording:
-            allocations += [tracker.events[:laid], tracker.events[laid:]]
+            rank_load(parts)  # the first step's, left out
+            for routing in _routing(registry):
+                routing.micro_batch_loads.peak = 0.0
+            recording = allocations is not None
+            tracker = RecordingTracker(fsdp_streams(parts)) if recording else Tracker()
+            kept = [t for i, t in _alive_tensors().items() if i not in before]
+            tracker.track_external(*kept, *parts, optimizer)  # the parts and optimizer name the categories they know
+            del kept  # the tracker holds weak references: the step frees what it frees (last step's gradients)
+            if recording:
+                laid = len(tracker.events)
+            with tracker, tracker.streams_named() if recording else contextlib.nullcontext():
+                step()
+            if recording:
+                allocations += [tracker.events[:laid], tracker.events[laid:]]
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     converted = sum("Float8" in type(m).__name__ for part in parts for m in part.modules())
     return {getattr(kind, "name", kind): nbytes for kind, nbytes in peak.items()} | {
         "float8_linears": converted, "expert_load": rank_load(parts),
         "expert_load_peak": max((r.micro_batch_loads.peak for r in _routing(registry)), default=0.0)}
+
+
+@contextlib.contextmanager
+def _dtensor_as_in_a_real_run():
+    """Under fake tensors, what DTensor does on the side made as in a real step: a device mesh computes its
+    coordinates on real tensors (``nonzero`` on its rank map has no fake result), and sharding propagation makes
+    its tensors of the global shape in a fake mode of its own, as it does when none is active (in the step's, the
+    tracker would count them: five float32 tensors of 70B's whole-vocabulary logits under loss parallel, 18 GiB
+    tracked where a real step of two blocks allocates 5)."""
+    init = DeviceMesh.__init__
+
+    def init_on_real_tensors(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+    with (mock.patch.object(DeviceMesh, "__init__", init_on_real_tensors),
+          mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)):
+        yield
 
 
 def _routing(registry) -> list[ExpertRouting]:

@@ -84,9 +84,7 @@ def _logits_room(result: Estimate) -> float:
     starts that block stays free (the loss's float32 tensors and their gradients are twice its size), cached by
     the allocator beside what is allocated (the seeds' 8B step replayed through a model of PyTorch's caching
     allocator: tests/allocator_replay.py)."""
-    facts = result.facts
-    upcast = facts.outer_logits > facts.output  # the logits are narrower than float32
-    return result.makes_whole_eager_loss * upcast * result.microbatch_tokens * facts.output / result.logits_split
+    return result.leaves_logits_room * result.microbatch_tokens * result.facts.output / result.logits_split
 
 
 def report(result: Estimate) -> str:

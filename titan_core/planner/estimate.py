@@ -189,6 +189,13 @@ class Estimate:
         return self.holds_outputs and self.logits_tokens is None and not self.loss_keeps_logits
 
     @property
+    def leaves_logits_room(self) -> bool:
+        """Whether this rank's eager loss frees the logits the model returned once it has made their float32 copy
+        (they are narrower): the loss's float32 tensors, larger, do not fit where they were, so the caching
+        allocator keeps that room, and any block freed beside it, as backward starts."""
+        return self.makes_whole_eager_loss and self.facts.outer_logits > self.facts.output
+
+    @property
     def seq_len(self) -> int:
         return self.config.training.seq_len
 

@@ -288,6 +288,14 @@ def estimate_costs(estimate, plugin_config, plan):
     # rows (measured under torch's tracker: 3.9 GiB on every rank for 70B's 128,256 x 8,192 in float32).
     estimate.add_memory("gradients", lambda e: e.facts.inputs_params * e.holds_inputs * e.compute_dtype.itemsize,
                         "the embedding's gradient, whole in its backward", "tp", when="end")
+    if plugin_config.sequence_parallel:
+        # The output layer's input is gathered along the sequence as a collective gathers, rank after rank, then
+        # reordered into a second tensor: the first one's room, freed just before the logits are made, is too
+        # small for the loss's float32 tensors (70B's widths at 16 x 8,192 tokens a rank, replayed through
+        # tests/allocator_replay.py: 2 GiB of the 7.1 the allocator keeps beyond what is allocated).
+        estimate.add_memory("buffers", lambda e: e.leaves_logits_room * e.microbatch_tokens * e.facts.block_input,
+                            "the output layer's input gathered along the sequence: its first copy's room", "tp",
+                            when="cached")
     if plugin_config.loss_parallel:  # the logits and the loss's tensors of their shape, split by vocabulary
         logits = facts.outer_logits
         rest = facts.outer_saved - logits
