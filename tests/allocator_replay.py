@@ -60,10 +60,10 @@ class _Pool:
             self.blocks[index - 1][1] += self.blocks.pop(index)[1]
 
 
-def replay(before: list[tuple], step: list[tuple]) -> tuple[int, int]:
+def replay(before: list[tuple], step: list[tuple]) -> tuple[int, int, dict[str, int]]:
     """The peak bytes allocated and reserved over ``step``'s events, after the allocations ``before`` it (what
     earlier steps left: each freed in the step is laid on the stream where the step makes its successor, the
-    first tensor of its size the step keeps)."""
+    first tensor of its size the step keeps), and what each stream's pools reserve at that peak."""
     freed = {event[1] for event in step if event[0] == "free"}
     successors = defaultdict(list)
     for event in step:
@@ -75,6 +75,7 @@ def replay(before: list[tuple], step: list[tuple]) -> tuple[int, int]:
     pools: dict[tuple[str, bool], _Pool] = {}
     live: dict[int, tuple[_Pool, list, int]] = {}
     allocated = peak_allocated = peak_reserved = 0
+    streams: dict[str, int] = {}
     for index, event in enumerate(laid + step):
         if event[0] == "alloc":
             _, key, nbytes, stream = event
@@ -89,5 +90,9 @@ def replay(before: list[tuple], step: list[tuple]) -> tuple[int, int]:
             allocated -= nbytes
         if index >= len(laid):
             peak_allocated = max(peak_allocated, allocated)
-            peak_reserved = max(peak_reserved, sum(pool.mapped for pool in pools.values()))
-    return peak_allocated, peak_reserved
+            reserved = sum(pool.mapped for pool in pools.values())
+            if reserved > peak_reserved:
+                peak_reserved, streams = reserved, defaultdict(int)
+                for (stream, _), pool in pools.items():
+                    streams[stream] += pool.mapped
+    return peak_allocated, peak_reserved, dict(streams)

@@ -425,6 +425,23 @@ def test_tensor_parallels_logits_match_the_tracker_where_they_make_the_peak(over
     assert abs(sum(result.memory().values()) / measured["Total"] - 1) < 0.01
 
 
+def test_tensor_parallels_embedding_gradient_stays_whole_while_it_accumulates():
+    """The backward of tp's vocabulary-split embedding makes the whole table's gradient, a partial sum over the tp
+    ranks: FSDP accumulating gradients unreduced over micro-batches keeps it whole, in float32
+    (``Estimate.grad_whole_params``), beside the shards. FSDP 2 x TP 2, two micro-batches reduced in the last, a
+    vocabulary of 16,384: within 0.5% of torch's tracker (measured: 0.01%); without the whole table, 6.5% under.
+    Found on a 405B pipeline's first stage, whose micro-batches accumulate alike (7.8 GiB there)."""
+    config, registry, plan, result = _estimate("launch.device=cpu", "model.vocab_size=16384", "+plugins=[fsdp,tp]",
+                                               "plugins.fsdp.degree=2", "plugins.tp.degree=2",
+                                               "plugins.fsdp.param_dtype=bfloat16", "training.grad_accum_steps=2",
+                                               "plugins.fsdp.reduce_gradients=last_micro_batch")
+    measured = _tracked_step(config, registry, plan)
+    planned = sum(result.memory().values())
+    whole = sum(dataclasses.replace(result, grad_whole_params=0.0).memory().values())
+    assert planned - whole == evaluated(result.grad_whole_params, result) * 4 > 0.05 * measured["Total"]
+    assert abs(planned / measured["Total"] - 1) < 0.005
+
+
 def test_a_tensor_parallel_step_is_tracked_alike_on_fake_and_real_tensors():
     """The harness tracks GPU-sized tensor-parallel steps on fake tensors: there a device mesh computes its
     coordinates on real tensors (on fake ones, ``nonzero`` fails) and DTensor's sharding propagation makes its
@@ -489,7 +506,7 @@ def test_the_allocator_model_reuses_a_streams_freed_blocks_and_maps_pages_for_th
             ("alloc", 2, 20 * mib, "compute"),  # in the freed 30, leaving 10 free
             ("alloc", 3, 40 * mib, "compute"),  # fits nothing free: maps 40 more
             ("alloc", 4, 10 * mib, "reduce-scatter")]  # the free 10 would fit: another stream's, so 20 more
-    assert allocator_replay.replay([], step) == (80 * mib, 100 * mib)
+    assert allocator_replay.replay([], step) == (80 * mib, 100 * mib, {"compute": 80 * mib, "reduce-scatter": 20 * mib})
 
 
 @pytest.mark.slow
@@ -509,7 +526,7 @@ def test_llama_8b_on_8_gpus_matches_the_tracker_and_the_allocator_at_full_size()
     result = dataclasses.replace(estimate(config, plan, registry, CPU), device_type="cuda")
     allocations = []
     measured = _tracked_step(config, registry, plan, fake_tensors=True, allocations=allocations)
-    allocated, reserved = allocator_replay.replay(*allocations)
+    allocated, reserved, _ = allocator_replay.replay(*allocations)
     assert measured["Total"] > 60 * GIB
     assert allocated == pytest.approx(measured["Total"], rel=1e-3)  # the replay allocates what the tracker counts
     assert abs(sum(result.memory().values()) / measured["Total"] - 1) < 0.02
@@ -550,11 +567,39 @@ def test_llama_70b_under_fsdp_32_x_tp_8_matches_the_tracker_and_the_allocator_at
     result = estimate(config, plan, registry, hardware_profile("h100_sxm"))
     allocations = []
     measured = _tracked_step(config, registry, plan, fake_tensors=True, allocations=allocations)
-    allocated, reserved = allocator_replay.replay(*allocations)
+    allocated, reserved, _ = allocator_replay.replay(*allocations)
     assert measured["Total"] > 30 * GIB
     assert abs(sum(result.memory().values()) / measured["Total"] - 1) < 0.02
     assert reserved > 1.15 * allocated
     assert abs(result.reserved() / reserved - 1) < 0.04, (result.reserved() / GIB, reserved / GIB)
+
+
+@pytest.mark.slow
+def test_a_405b_pipelines_first_stage_matches_the_tracker_at_its_widths():
+    """Tables 5 and 6's 405B plan (FSDP 8 x TP 8 x PP 8, full checkpointing, 8 micro-batches of 4 x 8,192 tokens)
+    at 16 of its 126 blocks, two a stage: the first stage alone on fake tensors (the harness makes up what the
+    next stage would send it), within 5% of the tracker (measured: 24.0 GiB planned, 24.8 tracked). Its
+    embedding's gradient, whole under tp, accumulates in float32 over the micro-batches: 7.8 GiB, without which it
+    was planned 31% under. Replayed through the allocator's model, its reduce-scatters' stream reserves the
+    gradient shards (0.51 GiB replayed, 0.49 planned; counted as nothing before, the step's gradients standing for
+    them). At all 126 blocks (15 on this stage, 2 minutes): 71.6 GiB planned, 74.2 tracked; 75.7 and 81.6
+    reserved."""
+    config = compose("model=405B", "model.n_layers=16", "tokenizer.path=bytes", "launch.device=cpu",
+                     "training.seq_len=8192", "training.global_batch_size=256", "+plugins=[fsdp,tp,pp,ac]",
+                     "plugins.fsdp.degree=8", "plugins.tp.degree=8", "plugins.pp.degree=8", "plugins.pp.microbatches=8",
+                     "plugins.fsdp.param_dtype=bfloat16", "plugins.ac.mode=full")
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, 256)
+    first = estimate(config, plan, registry, hardware_profile("h100_sxm")).each_rank()[0]
+    allocations = []
+    measured = _tracked_step(config, registry, plan, fake_tensors=True, allocations=allocations)
+    assert measured["Total"] > 20 * GIB
+    assert abs(sum(first.memory().values()) / measured["Total"] - 1) < 0.05
+    # Reduced once a step, every gradient shard is made on the reduce-scatters' stream after the peak.
+    shards = next(evaluated(nbytes, first) for _, what, nbytes, _, _ in first.memory_terms
+                  if what.startswith("the reduce-scatters' stream"))
+    assert shards == pytest.approx(4 * first.sharded_params())
+    assert abs(allocator_replay.replay(*allocations)[2]["reduce-scatter"] / shards - 1) < 0.05
 
 
 def test_each_plugin_changes_what_its_technique_changes():
@@ -1075,6 +1120,36 @@ def test_an_outsiders_cached_term_is_reserved_not_allocated(tmp_path):
     assert "stagingstream: the staging stream's block 64.00 MiB" in done.stdout
 
 
+WHOLE_GRADIENT = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """wholegrad: its backward makes the embedding's whole gradient, however its weight is split."""
+    estimate.grad_whole_params = lambda e: e.facts.inputs_params * e.holds_inputs
+'''
+
+
+def test_an_outsiders_whole_gradient_accumulates_whole_under_fsdp(tmp_path):
+    """Estimate.grad_whole_params, set by a plugin written from docs/writing-plugins.md and read by fsdp, which
+    knows no such plugin: accumulating two micro-batches unreduced, fsdp keeps that gradient whole in float32
+    beside the others."""
+    env = install_plugins(tmp_path / "site", {"wholegrad": (WHOLE_GRADIENT, "")}, "wholegrad-plugin")
+    accumulated = ("model.vocab_size=16384", "launch.world_size=2", "plugins.fsdp.degree=2",
+                   "training.grad_accum_steps=2", "plugins.fsdp.reduce_gradients=last_micro_batch")
+
+    def printed(*plugins):
+        done = _plan_command("--hardware", "a100", *SMALL, f"+plugins=[{','.join(plugins)}]", *accumulated, env=env)
+        assert done.returncode == 0, done.stderr
+        return _printed_bytes(done.stdout, "beyond their shards (reduce_gradients)")
+
+    _, alone = job_estimate(["--hardware", "a100", *SMALL, "+plugins=[fsdp]", *accumulated])
+    whole = alone.facts.inputs_params * 4  # float32, fsdp's reduce dtype
+    assert printed("fsdp", "wholegrad") - printed("fsdp") == pytest.approx(whole, abs=0.011 * 2**20)
+    assert whole > 0.1 * 2**20  # beyond the printed rounding
+
+
 VOCAB_SPLIT = '''
 from titan_core import hookimpl
 
@@ -1335,8 +1410,9 @@ def test_each_cards_efficiency_predicts_its_other_published_runs():
 @pytest.mark.slow
 def test_every_published_seed_job_fits_and_is_planned_near_what_it_did():
     """TorchTitan's 17 published Llama 3.1 jobs (bench/planner_vs_seeds.py's ROWS): each fits; what the allocator
-    reserves is at most 5% over what it reserved and at most 30% under (table 6's CP 8 job reserved 84.9 of the
-    card's 96 GiB, planned 62.1: near its limit the allocator reserves what it can); tokens/s within
+    reserves is at most 5% over what it reserved and at most 20% under (table 6's CP 8 job reserved 84.9 of the
+    card's 96 GiB, planned 69.9: near its limit the allocator reserves what it can; at most 30% under before the
+    pipelines' first stage kept its embedding's gradient whole and its shards' stream); tokens/s within
     20%, but for the sequences of 131,072 and 262,144 tokens (tables 2 and 6), where attention, priced at the
     matmuls' share of the peak, does most of the work: +20% to +25% since selective checkpointing's rerun matmuls
     were priced and the H100's share set again (within 13% before, when the unpriced FLOPs kept every share low).
@@ -1345,7 +1421,7 @@ def test_every_published_seed_job_fits_and_is_planned_near_what_it_did():
     usable = hardware_profile(published.HARDWARE).usable_gib
     for number, name, overrides, tps, memory in published.ROWS:
         got_tps, allocated, got_memory = published.predicted(overrides)
-        assert allocated < usable and -0.30 < got_memory / memory - 1 < 0.05, (number, name, got_memory, memory)
+        assert allocated < usable and -0.20 < got_memory / memory - 1 < 0.05, (number, name, got_memory, memory)
         long_sequence = "training.seq_len=131072" in overrides or "training.seq_len=262144" in overrides
         assert abs(got_tps / tps - 1) < (0.26 if long_sequence else 0.2), (number, name, got_tps, tps)
 

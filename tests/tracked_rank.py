@@ -31,16 +31,20 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import _utils as pipeline_utils
+from torch.distributed.pipelining import schedules as pipeline_schedules
+from torch.distributed.pipelining import stage as pipeline_stage
 from torch.distributed.tensor import _sharding_prop
 from torch.distributed._tools.mod_tracker import ModTracker
 
-from titan_core import objective
+from titan_core import PP, objective
 from titan_core.mesh import ParallelMesh
 from titan_core.moe.routing import ExpertRouting, rank_load
 from titan_core.plugins import Hooks, Registry, build_plan
 from titan_core.planner.facts import OperatorCounter
 from titan_core.testing import compose
 from titan_core.train import build_model_parts, build_training_step
+from titan_pp.plugin import TracelessStage
 
 
 class _ModTracker(ModTracker):
@@ -143,7 +147,7 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False, allocations
     :class:`RecordingTracker` writes them (what ``allocator_replay.replay`` takes)."""
     before = _alive_tensors()
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
-    with _dtensor_as_in_a_real_run() if fake_tensors else contextlib.nullcontext():
+    with _as_in_a_real_run(plan) if fake_tensors else contextlib.nullcontext():
         parts, optimizer, step = _training_step(config, registry, plan, fake)
         with fake:
             step()
@@ -169,19 +173,46 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False, allocations
 
 
 @contextlib.contextmanager
-def _dtensor_as_in_a_real_run():
-    """Under fake tensors, what DTensor does on the side made as in a real step: a device mesh computes its
-    coordinates on real tensors (``nonzero`` on its rank map has no fake result), and sharding propagation makes
-    its tensors of the global shape in a fake mode of its own, as it does when none is active (in the step's, the
-    tracker would count them: five float32 tensors of 70B's whole-vocabulary logits under loss parallel, 18 GiB
-    tracked where a real step of two blocks allocates 5)."""
+def _as_in_a_real_run(plan):
+    """Under fake tensors, what torch does on the side made as in a real step. A device mesh computes its
+    coordinates on real tensors (``nonzero`` on its rank map has no fake result); DTensor's sharding propagation
+    makes its tensors of the global shape in a fake mode of its own, as it does when none is active (in the
+    step's, the tracker would count them: five float32 tensors of 70B's whole-vocabulary logits under loss
+    parallel, 18 GiB tracked where a real step of two blocks allocates 5). A pipeline's first stage, alone on a
+    fake process group, makes up what its neighbour would send it: the schedule's warm-up vote runs on real
+    tensors (it reads the vote), the gradients' metadata the next stage sends are this stage's outputs' (the next
+    stage's inputs), and the stage does not compare its buffers after shape inference (fake ones hold no values)."""
     init = DeviceMesh.__init__
+    warmup = pipeline_schedules._PipelineSchedule._warmup_p2p
+    infer_backward = pipeline_stage.PipelineStage._backward_metadata_inference
 
     def init_on_real_tensors(self, *args, **kwargs):
         with unset_fake_temporarily():
             init(self, *args, **kwargs)
-    with (mock.patch.object(DeviceMesh, "__init__", init_on_real_tensors),
-          mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)):
+
+    def warmup_on_real_tensors(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return warmup(self, *args, **kwargs)
+
+    def infer_backward_from_outputs(self, *args, **kwargs):
+        self.outputs_for_meta = self._fwd_outputs_for_bwd_meta
+        return infer_backward(self, *args, **kwargs)
+
+    def outputs_gradient_meta(self, stage):
+        return pipeline_utils._StageBackwardMeta(pipeline_utils._derive_grad_metas(
+            pipeline_utils.extract_tensor_metas(tuple(self.outputs_for_meta))))
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(DeviceMesh, "__init__", init_on_real_tensors))
+        patches.enter_context(mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None))
+        if PP in plan.mesh_shape:
+            patches.enter_context(mock.patch.object(pipeline_schedules._PipelineSchedule, "_warmup_p2p",
+                                                    warmup_on_real_tensors))
+            patches.enter_context(mock.patch.object(pipeline_stage.PipelineStage, "_backward_metadata_inference",
+                                                    infer_backward_from_outputs))
+            patches.enter_context(mock.patch.object(pipeline_stage.PipelineStage, "_recv_meta",
+                                                    outputs_gradient_meta))
+            patches.enter_context(mock.patch.object(TracelessStage, "_buffers_kept",
+                                                    lambda self: contextlib.nullcontext()))
         yield
 
 

@@ -54,7 +54,10 @@ class Estimate:
 
     Where parameters live: ``weight_split`` (ranks each weight is split over: tensor parallel, which leaves a
     mixture of experts' weights whole and splits its tokens instead), ``expert_split`` (ranks each block's experts
-    are divided among: expert parallel),
+    are divided among: expert parallel), ``grad_whole_params`` (parameters, a number or a function of the
+    estimate, whose gradient this rank makes beyond its split of their weights: tensor parallel's
+    vocabulary-split embedding, whose backward makes the whole table's gradient; a sharder that lets gradients
+    accumulate unreduced over micro-batches keeps that whole),
     ``state_shards`` (ranks the parameters, gradients and optimizer states are sharded over: FSDP),
     ``blocks`` (indices of the blocks this rank holds; ``holds_inputs``/``holds_outputs``: whether it runs the
     embeddings and the output: pipeline stages), ``ranks`` (where ranks differ, one dict per kind of rank of
@@ -126,6 +129,7 @@ class Estimate:
     device_type: str = "cuda"
     weight_split: int = 1
     expert_split: int = 1
+    grad_whole_params: float | Callable[[Estimate], float] = 0.0
     state_shards: int = 1
     blocks: list[int] = field(default_factory=list)
     holds_inputs: bool = True

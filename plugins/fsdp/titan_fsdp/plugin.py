@@ -12,7 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from titan_core import (CP, DATA_PARALLEL_SHARDING, DP_REPLICATE, DP_SHARD, FLOAT_DTYPES, MIXED_PRECISION,
                         PARTIAL_DATA_PARALLEL, PP, SPLIT_BACKWARD, ConfigError, Declaration, attribute, compute_dtype,
-                        float_dtype, hookimpl, lacks, replica_count, replicated_over)
+                        evaluated, float_dtype, hookimpl, lacks, replica_count, replicated_over)
 
 # FSDP2 warns once per process that a unit returned a view (tensor parallel's embedding does): an in-place op
 # on that view would skip the unit's all-gather. No shipped model writes a block's output in place, and a model
@@ -181,18 +181,22 @@ def estimate_costs(estimate, plugin_config, plan):
 
     def unreduced(e):
         # Whole until the last micro-batch's reduce-scatter makes its shard and frees it: at the peak the whole
-        # gradients stand where the core counts shards (tracked: a stage holds the whole ones only).
-        return (e.held_gathered() * reduce_bytes - 4 * e.sharded_params()) * e.trained_share
+        # gradients stand where the core counts shards (tracked: a stage holds the whole ones only), with what
+        # another plugin's backward makes beyond its split of the weights.
+        whole = e.held_gathered() + evaluated(e.grad_whole_params, e)
+        return (whole * reduce_bytes - 4 * e.sharded_params()) * e.trained_share
 
     # FSDP2 gathers on a stream of its own and reduces on another: a caching allocator keeps each stream's freed
     # blocks for that stream, so as the peak comes the gathers' room and the gradient shards' (freed by the step's
-    # start) stay reserved beside what the compute stream allocates.
+    # start) stay reserved beside what the compute stream allocates. Reduced once a step (a pipeline's, or in the
+    # last micro-batch), every shard is made there after the peak, which counts the gradients whole instead.
     ahead = max(plugin_config.prefetch, 1)
+    once = pipelined or reductions < micro
     estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() * gathered_bytes(e) * ahead
                                               + e.facts.outputs_params / e.weight_split * e.compute_dtype.itemsize),
                         "the all-gathers' stream: a block and the output gathered", "fsdp", when="cached")
     estimate.add_memory("buffers", lambda e: max(0.0, 4 * e.sharded_params() * e.trained_share
-                                                 - e.memory()["gradients"]),
+                                                 - (0.0 if once else e.memory()["gradients"])),
                         "the reduce-scatters' stream: the gradient shards not made yet", "fsdp", when="cached")
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered after each backward and their gradients

@@ -288,6 +288,9 @@ def estimate_costs(estimate, plugin_config, plan):
     # rows (measured under torch's tracker: 3.9 GiB on every rank for 70B's 128,256 x 8,192 in float32).
     estimate.add_memory("gradients", lambda e: e.facts.inputs_params * e.holds_inputs * e.compute_dtype.itemsize,
                         "the embedding's gradient, whole in its backward", "tp", when="end")
+    # It stays whole (a partial sum over the tp ranks) until it is reduced: accumulated over micro-batches, the
+    # whole table (tracked: 7.8 GiB in float32 on a 405B pipeline's first stage under FSDP).
+    estimate.grad_whole_params = lambda e: e.facts.inputs_params * e.holds_inputs * (1 - 1 / degree)
     if plugin_config.sequence_parallel:
         # The output layer's input is gathered along the sequence as a collective gathers, rank after rank, then
         # reordered into a second tensor: the first one's room, freed just before the logits are made, is too
