@@ -4,8 +4,8 @@ Imported by tests/test_planner.py, which runs it in its own process under a fake
 plan; the other ranks' collectives move nothing but make their results at full size). Run as a script, it
 forks the N ranks of a real gloo world, each of which tracks its own step and writes ``<out>/rank<r>.json``: the
 way to track plans whose ranks exchange what a fake group cannot make up (a pipeline's stages send each other
-activations). Forked, the ranks share this process's imports (torchrun started each as a new interpreter, about
-8 s of a core).
+activations; on fake tensors a first stage runs alone, the harness making up what its neighbour sends). Forked,
+the ranks share this process's imports (torchrun started each as a new interpreter, about 8 s of a core).
 
     python tests/tracked_rank.py N OUT [--calls] OVERRIDE...
 
@@ -23,19 +23,18 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import _utils as pipeline_utils
 from torch.distributed.pipelining import schedules as pipeline_schedules
 from torch.distributed.pipelining import stage as pipeline_stage
 from torch.distributed.tensor import _sharding_prop
-from torch.distributed._tools.mod_tracker import ModTracker
 
 from titan_core import PP, objective
 from titan_core.mesh import ParallelMesh

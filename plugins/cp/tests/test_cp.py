@@ -42,8 +42,10 @@ def test_parity_with_gradient_accumulation(titan_parity):
 @pytest.mark.slow
 def test_tokens_labels_and_positions_are_split_head_tail_and_alike(tmp_path):
     """Rank r keeps chunks r and 3 - r of 4 for inputs, labels and RoPE rows alike, and gets RoPE back after."""
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(Path(__file__).with_name("shard_worker.py")), str(tmp_path)], check=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(Path(__file__).with_name("shard_worker.py")), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     for rank, expected in ((0, [*range(0, 4), *range(12, 16)]), (1, [*range(4, 12)])):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["inputs"] == [expected, expected]

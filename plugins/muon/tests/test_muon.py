@@ -107,8 +107,10 @@ def test_across_ranks_each_matrix_is_orthogonalised_once_by_its_owner_and_comes_
     the ranks' Newton–Schulz work adds up to one process's, none does more than its share and one matrix, and on
     the flat mesh a rank receives what it owns and its own rows of the rest, nothing more."""
     script = Path(__file__).with_name("exchange_ranks.py")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script),
-                    str(tmp_path)], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     newton_schulz = NewtonSchulz((3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
     costs = [newton_schulz.cost(torch.Size(shape)) for shape in exchange_ranks.SHAPES]
