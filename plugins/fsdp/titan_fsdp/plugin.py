@@ -195,9 +195,12 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() * gathered_bytes(e) * ahead
                                               + e.facts.outputs_params / e.weight_split * e.compute_dtype.itemsize),
                         "the all-gathers' stream: a block and the output gathered", "fsdp", when="cached")
-    estimate.add_memory("buffers", lambda e: max(0.0, 4 * e.sharded_params() * e.trained_share
-                                                 - (0.0 if once else e.memory()["gradients"])),
-                        "the reduce-scatters' stream: the gradient shards not made yet", "fsdp", when="cached")
+
+    def shards_not_made(e):
+        shards = 4 * e.sharded_params() * e.trained_share
+        return shards if once else max(0.0, shards - e.memory()["gradients"])
+    estimate.add_memory("buffers", shards_not_made, "the reduce-scatters' stream: the gradient shards not made yet",
+                        "fsdp", when="cached")
     if pipelined:
         # torch's pipeline stages keep their FSDP weights gathered after each backward and their gradients
         # unreduced until the last micro-batch's: whole, for every block of the rank. Resharded after forward
