@@ -57,6 +57,8 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
                           plugin="core", calls=1)
     result.add_memory("buffers", _logits_room, "the logits' room, left when an eager loss upcasts them: its float32 "
                       "tensors are larger", "core", when="cached")
+    result.add_memory("gradients", _whole_gradients_accumulated, "split weights' gradients kept whole across "
+                      "micro-batches", "core", when="accumulated")
     for name in (p.name for p in plan.plugins):
         if registry.implements(name, "estimate_costs"):
             hooks.call(name, "estimate_costs", estimate=result, config=config)
@@ -87,6 +89,16 @@ def _logits_room(result: Estimate) -> float:
     return result.leaves_logits_room * result.microbatch_tokens * result.facts.output / result.logits_split
 
 
+def _whole_gradients_accumulated(result: Estimate) -> float:
+    """Over several micro-batches, what autograd keeps of a split weight's gradient beyond the weight's share: the
+    first backward leaves in the parameter the whole gradient its weight's backward made (tensor parallel's
+    embedding: the whole table, replicated, under torch's tracker), and the next ones add into it. A sharder that
+    holds the gradients counts what it keeps of them itself."""
+    if result.sharder_holds_gradients or not result.gradients_at_peak():
+        return 0.0
+    return 4 * evaluated(result.grad_whole_params, result) * result.trained_share
+
+
 def report(result: Estimate) -> str:
     """The estimate as the plan command prints it."""
     result = result.most_loaded()
@@ -101,13 +113,15 @@ def report(result: Estimate) -> str:
         lines.append(f"    {category:<12} {_size(memory[category]):>11}" + (
             "  (made in backward as the activations are freed)" if category == "gradients" and not memory[category]
             else "  (freed by then)" if category == "activations" and not memory[category] else ""))
-        for term_category, what, nbytes, plugin, when in result.memory_terms:
-            if term_category == category and when != "cached":
+        terms = [(what, evaluated(nbytes, result), plugin, when) for term_category, what, nbytes, plugin, when
+                 in result.memory_terms if term_category == category and when != "cached"]
+        for what, nbytes, plugin, when in terms:
+            if nbytes:  # a term that does not apply to this rank or plan
                 moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)",
                           "end": " (after the blocks' backward)",
                           "accumulated": " (as the gradients accumulate)",
                           "regathered": " (as backward reaches each block)"}.get(when, "")
-                lines.append(f"      {plugin}: {what} {_size(evaluated(nbytes, result))}{moment}")
+                lines.append(f"      {plugin}: {what} {_size(nbytes)}{moment}")
     reserved = result.reserved()
     if reserved > total:
         lines.append(f"  reserved by the caching allocator at that peak: {_size(reserved)} (torch.cuda."

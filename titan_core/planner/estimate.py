@@ -56,8 +56,11 @@ class Estimate:
     mixture of experts' weights whole and splits its tokens instead), ``expert_split`` (ranks each block's experts
     are divided among: expert parallel), ``grad_whole_params`` (parameters, a number or a function of the
     estimate, whose gradient this rank makes beyond its split of their weights: tensor parallel's
-    vocabulary-split embedding, whose backward makes the whole table's gradient; a sharder that lets gradients
-    accumulate unreduced over micro-batches keeps that whole),
+    vocabulary-split embedding, whose backward makes the whole table's gradient; kept whole across micro-batches
+    unless a sharder that holds the gradients reduces it), ``sharder_holds_gradients`` (a data-parallel sharder
+    holds the gradients and counts what it keeps of them, reduced or whole: FSDP, SimpleFSDP; False: autograd
+    accumulates each gradient into its parameter, so that over several micro-batches the core counts the whole
+    gradients of ``grad_whole_params`` beside the split ones),
     ``state_shards`` (ranks the parameters, gradients and optimizer states are sharded over: FSDP),
     ``blocks`` (indices of the blocks this rank holds; ``holds_inputs``/``holds_outputs``: whether it runs the
     embeddings and the output: pipeline stages), ``ranks`` (where ranks differ, one dict per kind of rank of
@@ -130,6 +133,7 @@ class Estimate:
     weight_split: int = 1
     expert_split: int = 1
     grad_whole_params: float | Callable[[Estimate], float] = 0.0
+    sharder_holds_gradients: bool = False
     state_shards: int = 1
     blocks: list[int] = field(default_factory=list)
     holds_inputs: bool = True

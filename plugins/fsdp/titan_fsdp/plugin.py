@@ -145,6 +145,7 @@ def estimate_costs(estimate, plugin_config, plan):
     micro-batch, or the last only with whole gradients held until then)."""
     shards = plan.degree(DP_SHARD) * plan.degree(CP)
     estimate.state_shards *= shards
+    estimate.sharder_holds_gradients = True  # reduced as backward makes them, or held whole by its own term
     estimate.compute_dtype = compute_dtype(plugin_config.param_dtype, "plugins.fsdp.param_dtype", estimate.device_type)
     reduce_bytes = torch.finfo(FLOAT_DTYPES[plugin_config.reduce_dtype]).bits // 8
     pipelined = PP in plan.mesh_shape

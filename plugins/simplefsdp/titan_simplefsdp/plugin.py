@@ -66,6 +66,7 @@ def estimate_costs(estimate, plugin_config, plan):
     reduce-scattered there: one call each per parameter and micro-batch, which the step waits for (eager)."""
     shards = plan.degree(DP_SHARD) * plan.degree(CP)
     estimate.state_shards *= shards
+    estimate.sharder_holds_gradients = True  # each reduce-scattered as backward makes it
     estimate.compute_dtype = compute_dtype(plugin_config.param_dtype, "plugins.simplefsdp.param_dtype",
                                            estimate.device_type)
     reduce_bytes = FLOAT_DTYPES[plugin_config.reduce_dtype].itemsize
