@@ -36,7 +36,7 @@ from torch.distributed.pipelining import schedules as pipeline_schedules
 from torch.distributed.pipelining import stage as pipeline_stage
 from torch.distributed.tensor import _sharding_prop
 
-from titan_core import PP, objective
+from titan_core import PP, attention, objective
 from titan_core.mesh import ParallelMesh
 from titan_core.moe.routing import ExpertRouting, rank_load
 from titan_core.plugins import Hooks, Registry, build_plan
@@ -144,6 +144,7 @@ def tracked_step(config, registry, plan, fake_tensors: bool = False, allocations
     over that step's busiest micro-batch, as the model plugin's object measured it (``--expert-load-peak``).
     ``allocations``, when given, receives the allocations alive before the step and the step's own events, as
     :class:`RecordingTracker` writes them (what ``allocator_replay.replay`` takes)."""
+    attention._positions_mask.cache_clear()  # as in a job's process: its masks are made by its first step
     before = _alive_tensors()
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
     with _as_in_a_real_run(plan) if fake_tensors else contextlib.nullcontext():

@@ -10,8 +10,8 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     capabilities      PIPELINE, TENSOR_PARALLEL, ... (titan_core.capabilities)
     the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name,
                       check_hf_config
-    attention seam    causal_attention, masked_attention, attention_mask, route_masked_attention, document_ids,
-                      grouped
+    attention seam    causal_attention, masked_attention, attention_mask, shared_mask, route_masked_attention,
+                      document_ids, grouped
     positions         rope_frequencies, yarn_frequencies, yarn_mscale
     experts           MoE, MoeOptions, SwiGLU, check_moe_options, ExpertRouting, init_routing_buffers
     the objective     add_loss, IGNORE_INDEX; the optimizer's groups: parameter_role, PARAMETER_ROLES, param_groups
@@ -26,7 +26,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
 """
 
 from titan_core.attention import (attention_mask, causal_attention, document_ids, grouped, masked_attention,
-                                  route_masked_attention)
+                                  route_masked_attention, shared_mask)
 from titan_core.capabilities import (CHECKPOINTING, COMPILE, CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING,
                                      EXPERT_PARALLEL, MIXED_PRECISION, PARTIAL_DATA_PARALLEL, PIPELINE, SPLIT_BACKWARD,
                                      TENSOR_PARALLEL)
@@ -69,7 +69,8 @@ __all__ = [
     "rope_frequencies", "yarn_frequencies", "yarn_mscale",
     "MoE", "MoeOptions", "SwiGLU", "check_moe_options", "ExpertRouting", "init_routing_buffers",
     # the attention seam
-    "causal_attention", "masked_attention", "attention_mask", "route_masked_attention", "document_ids", "grouped",
+    "causal_attention", "masked_attention", "attention_mask", "shared_mask", "route_masked_attention", "document_ids",
+    "grouped",
     # the objective, the optimizer's parameter groups
     "add_loss", "IGNORE_INDEX", "parameter_role", "PARAMETER_ROLES", "param_groups",
     # the run, data parallel, options

@@ -23,8 +23,8 @@ from titan_core.plugins import Hooks, Registry, build_plan
 def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced: dict | None = None,
              expert_load: float = 1.0, expert_load_peak: float | None = None) -> Estimate:
     """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
-    ``traced`` keeps the model's facts by dtype (and the optimizer's traffic) between estimates of the same model
-    and sequence length; ``expert_load`` and ``expert_load_peak``: :attr:`Estimate.expert_load` and
+    ``traced`` keeps the model's facts by dtype (and the optimizer's traffic) between estimates of the same model,
+    sequence length and attention mask; ``expert_load`` and ``expert_load_peak``: :attr:`Estimate.expert_load` and
     :attr:`Estimate.expert_load_peak` (the plan command's ``--expert-load`` and ``--expert-load-peak``)."""
     traced = {} if traced is None else traced
     for flag, load in (("--expert-load", expert_load), ("--expert-load-peak", expert_load_peak)):
@@ -35,7 +35,7 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     def facts_in(dtype: torch.dtype):
         if dtype not in traced:
             traced[dtype] = model_facts(plan.model, functools.partial(registry.call, registry.model, "build_model"),
-                                        dtype, config.training.seq_len)
+                                        dtype, config.training.seq_len, config.training.attention_mask == "block_causal")
         return traced[dtype]
 
     training = config.training
@@ -96,7 +96,7 @@ def _whole_gradients_accumulated(result: Estimate) -> float:
     holds the gradients counts what it keeps of them itself."""
     if result.sharder_holds_gradients or not result.gradients_at_peak():
         return 0.0
-    return 4 * evaluated(result.grad_whole_params, result) * result.trained_share
+    return result.made_gradient_bytes * evaluated(result.grad_whole_params, result) * result.trained_share
 
 
 def report(result: Estimate) -> str:
@@ -120,7 +120,8 @@ def report(result: Estimate) -> str:
                 moment = {"start": " (as backward starts)", "blocks": " (during the blocks' backward)",
                           "end": " (after the blocks' backward)",
                           "accumulated": " (as the gradients accumulate)",
-                          "regathered": " (as backward reaches each block)"}.get(when, "")
+                          "regathered": " (as backward reaches each block)",
+                          "unreleased": " (until backward has run each unit)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(nbytes)}{moment}")
     reserved = result.reserved()
     if reserved > total:

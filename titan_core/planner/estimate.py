@@ -16,13 +16,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from titan_core.capabilities import MIXED_PRECISION
 from titan_core.mesh import cpu_threads
 from titan_core.planner.facts import ModelFacts
 from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
-MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered", "cached")  # when a memory term is held
+MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered", "unreleased", "cached")  # when a memory term is held
 HOLDINGS = ("blocks", "holds_inputs", "holds_outputs")  # the fields an entry of Estimate.ranks may set
 
 
@@ -204,6 +205,20 @@ class Estimate:
         return self.makes_whole_eager_loss and self.facts.outer_logits > self.facts.output
 
     @property
+    def made_gradient_bytes(self) -> int:
+        """Bytes per element of a weight's gradient as backward makes it: a plugin providing mixed precision keeps
+        the weights it computes with in the compute dtype, and their gradients come out in it; otherwise the weights
+        stay float32 (the core's autocast casts each where it is used) and so do their gradients."""
+        return self.compute_dtype.itemsize if self.plan.provides(MIXED_PRECISION) else 4
+
+    @property
+    def logits_at_once(self) -> float:
+        """Tokens of one micro-batch whose logits exist at once on this rank: all of them, or a chunk's
+        (``logits_tokens``)."""
+        tokens = self.microbatch_tokens
+        return tokens if self.logits_tokens is None else min(tokens, self.logits_tokens)
+
+    @property
     def seq_len(self) -> int:
         return self.config.training.seq_len
 
@@ -218,7 +233,9 @@ class Estimate:
         as the gradients are made and kept across micro-batches: none before the step's first backward) or
         ``"regathered"`` (weights resharded after forward that backward gathers again and keeps: each block's as
         backward reaches or prefetches it, ``backward_prefetch``, the rest of the rank's from its start; all of
-        them at a later backward with no forward since the previous one, see ``backward_regathers``), the
+        them at a later backward with no forward since the previous one, see ``backward_regathers``) or
+        ``"unreleased"`` (weights gathered since forward, each unit's let go once backward has run it: all of them
+        as backward starts, the output's once the loss's backward has run, then each block's after its own), the
         moments :meth:`memory` weighs for the peak; or ``"cached"``: not allocated at the peak but held by a GPU's
         caching allocator then (what :meth:`reserved` adds).
 
@@ -228,7 +245,7 @@ class Estimate:
             raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
         if when not in MOMENTS:
             raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end', "
-                             "'accumulated', 'regathered' or 'cached'")
+                             "'accumulated', 'regathered', 'unreleased' or 'cached'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
     def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,
@@ -355,6 +372,21 @@ class Estimate:
         chunked = self.logits_tokens is not None
         return (self.facts.outer_saved - chunked * self.facts.outer_logits) / self.outer_split
 
+    @property
+    def masks_by_document(self) -> bool:
+        """Whether the attention masks by document, each micro-batch's rows with masks of their own."""
+        return self.config.training.attention_mask == "block_causal"
+
+    def mask_bytes(self, largest: bool = False) -> float:
+        """Bytes of the attention masks the fused kernels keep for this rank's blocks (or of the ``largest`` one): a
+        micro-batch's (its queries on this rank, every key) when it masks by document, else those every micro-batch
+        shares."""
+        masks = self.facts.attention_masks
+        if not self.blocks or not masks:
+            return 0.0
+        rows = self.microbatch_rows if self.masks_by_document else 1
+        return (max(masks) if largest else sum(masks)) * rows * self.seq_len / self.sequence_split * self.seq_len
+
     def param_results_per_token(self) -> float:
         """Bytes per token of one micro-batch of the gradients a split backward keeps for its weight half here."""
         return sum(self.facts.block_param_results[i] for i in self.blocks) / self.activation_split
@@ -402,9 +434,15 @@ class Estimate:
         facts, tokens = self.facts, self.microbatch_tokens
         shards = self.weight_split * self.state_shards
         state = self.sharded_params()
-        # The other micro-batches in flight, and this one's output, held until its backward ends.
-        others = tokens * ((in_flight - 1) * self.kept_per_token() + waiting * self.param_results_per_token()
-                           + evaluated(self.output_kept, self))
+        # The other micro-batches in flight, and this one's output, held until its backward ends; the attention's
+        # masks: one set for every micro-batch, or each micro-batch's own (by document) while a block that does not
+        # recompute keeps them, else made again by each block that does.
+        masks, remade = self.mask_bytes(), 0.0
+        if self.masks_by_document:
+            masks_kept = any(not self.recomputes(i) for i in self.blocks)
+            masks, remade = (masks * in_flight, 0.0) if masks_kept else (0.0, self.mask_bytes(largest=True))
+        others = (tokens * ((in_flight - 1) * self.kept_per_token() + waiting * self.param_results_per_token()
+                            + evaluated(self.output_kept, self)) + masks)
         kept = [tokens * self.kept(i) for i in self.blocks]
         outer = tokens * self.outer_kept()
         if not self.holds_outputs:
@@ -412,17 +450,17 @@ class Estimate:
         elif self.logits_tokens is None:  # the logits' gradients
             loss_backward = tokens * facts.loss_backward / self.logits_split
         else:  # one chunk's logits made again, and their gradients
-            loss_backward = (min(tokens, self.logits_tokens) * (facts.outer_logits + facts.loss_backward)
-                             / self.logits_split)
+            loss_backward = self.logits_at_once * (facts.outer_logits + facts.loss_backward) / self.logits_split
         trained = self.trained_share
         all_gradients = 4 * state * trained
         made = 4 * trained * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # blocks' come later
-        start, blocks, end, grown, regathered = ({category: 0.0 for category in CATEGORIES} for _ in range(5))
+        start, blocks, end, grown, regathered, unreleased = ({category: 0.0 for category in CATEGORIES}
+                                                             for _ in range(6))
         memory = {category: 0.0 for category in CATEGORIES}
         for category, _, nbytes, _, when in self.memory_terms:
             if when != "cached":
                 {"start": start, "blocks": blocks, "end": end, "accumulated": grown, "regathered": regathered,
-                 None: memory}[when][category] += evaluated(nbytes, self)
+                 "unreleased": unreleased, None: memory}[when][category] += evaluated(nbytes, self)
         # Of the rank's gathered weights, those backward has reached as it starts (all but the blocks'), then as
         # each block runs (it, the blocks after it and those prefetched before it), and at the end.
         whole = self.held_gathered() or 1.0
@@ -434,6 +472,13 @@ class Estimate:
         reached = [1 - not_reached(len(self.blocks)) / whole if regathers else 1.0]
         reached += [1 - not_reached(position) / whole if regathers else 1.0
                     for position in reversed(range(len(self.blocks)))] + [1.0]
+        # Of them, those not let go yet: all as backward starts; the output's go once the loss's backward has run,
+        # each block's once its own has.
+        output = self.facts.outputs_params * self.holds_outputs / self.weight_split
+        released = [0.0, *(output + sum(map(self.block_gathered, self.blocks[position + 1:]))
+                           for position in reversed(range(len(self.blocks)))),
+                    output + sum(map(self.block_gathered, self.blocks))]
+        kept_gathered = [1 - share / whole for share in released]
         # (activations, gradients, this moment's own terms)
         phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
         for position in reversed(range(len(self.blocks))):
@@ -443,15 +488,16 @@ class Estimate:
             held = self.forward_held(i) if self.recomputes(i) else 0.0
             working = (facts.block_input / self.stream_split + self.recomputed(i)
                        + max(facts.block_backward[i] / self.activation_split, held))
-            phases.append((others + sum(kept[:position + 1]) + tokens * working, made, blocks))
+            phases.append((others + sum(kept[:position + 1]) + tokens * working + remade, made, blocks))
             made += 4 * trained * facts.block_params[i] / shards
         phases.append((others, all_gradients, {category: blocks[category] + end[category] for category in CATEGORIES}))
         if accumulated:
             phases = [(activations, max(gradients, accumulated * all_gradients), own)
                       for activations, gradients, own in phases]
         phases = [(activations, gradients, {category: own[category] + grown[category] * gradients / (all_gradients or 1)
-                                            + regathered[category] * share for category in CATEGORIES})
-                  for (activations, gradients, own), share in zip(phases, reached)]
+                                            + regathered[category] * share + unreleased[category] * unlet
+                                            for category in CATEGORIES})
+                  for (activations, gradients, own), share, unlet in zip(phases, reached, kept_gathered)]
         activations, gradients, own = max(phases, key=lambda phase: phase[0] + phase[1] + sum(phase[2].values()))
         memory["parameters"] += 4 * state
         memory["gradients"] += gradients

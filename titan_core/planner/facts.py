@@ -55,6 +55,10 @@ class ModelFacts:
     token of block ``i``'s matrix products, by op name and likewise (what selective checkpointing runs again of
     them: :meth:`rerun_flops`);
     ``attention_kv``: bytes per token of one block's attention keys and values (what context parallel moves);
+    ``attention_masks``: bytes per query and key of each mask the blocks' attention hands the fused kernels, which
+    keep them for backward (each once, however many blocks share it; a boolean mask once per block, as the kernels
+    convert it): per row when the job masks by document (traced with document ids), else one set for every
+    micro-batch of that length;
     ``buffer_bytes``: the model's buffers (RoPE tables), as built, in bytes; ``block_backward[i]``: the most
     that block ``i``'s backward holds at once beyond what it started with (its ops' gradients, its input's);
     ``block_forward[i]``: the most block ``i``'s forward holds at once beyond what it keeps once it has run (results
@@ -91,6 +95,7 @@ class ModelFacts:
     block_made: tuple[dict[str, float], ...]
     block_product_flops: tuple[dict[str, float], ...]
     attention_kv: float
+    attention_masks: tuple[float, ...]
     buffer_bytes: int
     block_backward: tuple[float, ...]
     block_forward: tuple[float, ...]
@@ -173,6 +178,8 @@ class _Tracer(TorchDispatchMode):
         self.block_input = 0.0
         self.stream_shape: tuple[int, ...] = ()
         self.attention_kv = 0.0
+        self.masks: dict[int, float] = {}  # the masks the kernels keep: by storage, bytes per query and key
+        self.mask_keys: set[int] = set()  # their allocations, which no block's forward holds as its own
         self.expert_input = [0.0] * n_blocks
         self.expert_copies = [0.0] * n_blocks
         self.expert_saved = [0.0] * n_blocks
@@ -267,6 +274,18 @@ class _Tracer(TorchDispatchMode):
         self.alive.pop(storage_id, None)
         self.timeline.append(("-", key, nbytes))
 
+    def kept_mask(self, mask: torch.Tensor, q: torch.Tensor) -> None:
+        """A mask handed to the fused kernel, which keeps it for backward: a boolean one converted into a new one
+        of the queries' dtype (every call), another as it is (once, however many calls share it)."""
+        pairs = mask.shape[0] * mask.shape[-2] * mask.shape[-1]
+        if mask.dtype == torch.bool:
+            self.masks[-len(self.masks) - 1] = q.element_size()
+            return
+        storage = mask.untyped_storage()
+        self.masks[storage._cdata] = storage.nbytes() / pairs
+        if id(storage) in self.alive:
+            self.mask_keys.add(self.alive[id(storage)])
+
     def mark(self, what: str, index: int, *_) -> None:
         self.timeline.append((what, index, 0))
         self.counting = index if what == "start" else None
@@ -280,7 +299,7 @@ class _Tracer(TorchDispatchMode):
             elif current is not None and what == "left":
                 peaks[current] = max(peaks[current], most - kept)
                 current = None
-            elif current is not None and what == "+":
+            elif current is not None and what == "+" and key not in self.mask_keys:
                 made.add(key)
                 live += nbytes
                 kept += nbytes if key in self.saved_keys else 0
@@ -317,9 +336,10 @@ class _FusedAttention(torch.autograd.Function):
     """What a GPU's fused attention keeps for backward, on meta tensors: q, k, v, the output, the log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, mask):
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask = mask  # held as the kernel holds it, counted apart (Tracer.kept_mask): blocks share one
         tracer = _Tracer.active
         tracer.record("attention", (q, k, v), out, lse)
         tracer.attention_kv = max(tracer.attention_kv, (_nbytes(k) + _nbytes(v)) / tracer.positions)
@@ -328,11 +348,13 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
-def _fused_attention(q, k, v, *args, **kwargs):
-    return _FusedAttention.apply(q, k, v)
+def _fused_attention(q, k, v, *args, attn_mask=None, **kwargs):
+    if attn_mask is not None:
+        _Tracer.active.kept_mask(attn_mask, q)
+    return _FusedAttention.apply(q, k, v, attn_mask)
 
 
 def _evenly_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -371,9 +393,11 @@ def _tracing_patches():
             _patched(attention, "_local_sdpa", _fused_attention), _patched(MoE, "forward", _evenly_routed))
 
 
-def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_len: int) -> ModelFacts:
+def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_len: int,
+                documents: bool = False) -> ModelFacts:
     """The facts of the model ``description`` describes, built by ``build(description=...)`` (the model
-    plugin's ``build_model`` hook) and traced in ``dtype`` on at most ``TRACE_TOKENS`` of ``seq_len`` positions."""
+    plugin's ``build_model`` hook) and traced in ``dtype`` on at most ``TRACE_TOKENS`` of ``seq_len`` positions;
+    with ``documents``, its forward given document ids as a job masking by document gives them."""
     with torch.device("meta"):
         model = build(description=description)
     buffer_bytes = sum(_nbytes(b) for b in model.buffers())
@@ -398,7 +422,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                 stack.enter_context(patch)
             stack.enter_context(tracer)
             try:
-                logits = model(tokens)
+                logits = model(tokens, document_ids=attention.document_ids(tokens, 0)) if documents else model(tokens)
             except (NotImplementedError, RuntimeError) as error:
                 # A layer of the model's own that needs values (counting its tokens per expert) cannot run.
                 raise ConfigError("model.name", f"model '{description.family}' cannot run on the meta device, which "
@@ -438,6 +462,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made),
                       block_product_flops=tuple(tracer.product_flops), attention_kv=tracer.attention_kv,
+                      attention_masks=tuple(tracer.masks.values()),
                       buffer_bytes=buffer_bytes, block_backward=tuple(block_backward), loss_backward=loss_backward,
                       output=_nbytes(logits) / tracer.positions,
                       block_forward=tuple(tracer.forward_peaks(len(blocks))),

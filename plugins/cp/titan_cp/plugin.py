@@ -25,7 +25,8 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
 from titan_core import (CONTEXT_PARALLEL, CORE_ATTENTION, CP, DATA_PARALLEL_SHARDING, SDPA_CAUSAL, ConfigError,
-                        Declaration, attention_mask, attribute, hookimpl, lacks, masked_attention, route_masked_attention)
+                        Declaration, attention_mask, attribute, hookimpl, lacks, masked_attention, route_masked_attention,
+                        shared_mask)
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -123,7 +124,10 @@ def gathered_attention(group, token_positions: torch.Tensor):
         key_positions = all_gather_tensor(token_positions, gather_dim=0, group=group)
         key_documents = (None if document_ids is None
                          else all_gather_tensor(document_ids.contiguous(), gather_dim=1, group=group))
-        mask = attention_mask(token_positions, key_positions, document_ids, key_documents, window)
+        # Made once a micro-batch for its blocks (by window), which then keep one between them.
+        mask = shared_mask(token_positions if document_ids is None else document_ids, (window,),
+                           lambda: attention_mask(token_positions, key_positions, document_ids, key_documents, window),
+                           sinks is not None, q.dtype)
         return masked_attention(q, keys, values, mask, sinks)
     return attend
 

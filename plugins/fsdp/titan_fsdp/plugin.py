@@ -220,12 +220,22 @@ def estimate_costs(estimate, plugin_config, plan):
         # Reduced in the last micro-batch only: until then each parameter's gradient accumulates whole.
         estimate.add_memory("buffers", unreduced, "gradients accumulated whole until the last micro-batch, beyond "
                             "their shards (reduce_gradients)", "fsdp", when="accumulated")
-    # As backward starts, the last block (never resharded) and the output layer's unit are gathered; then the
-    # block running backward, the ones prefetched, and the gradients of the one before being reduced.
-    estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() + e.facts.outputs_params * e.holds_outputs
-                                              / e.weight_split) * gathered_bytes(e),
-                        "the last block and the output gathered", "fsdp", when="start")
     in_flight = 1 + max(plugin_config.prefetch, 1)
+    if plugin_config.reshard_after_forward == "never":
+        # Every unit stays gathered from its forward until its backward has run; the block before the one
+        # running backward has its gradients reduced.
+        estimate.add_memory("buffers", gathered, "every unit gathered since forward, until its backward", "fsdp",
+                            when="unreleased")
+        estimate.add_memory("buffers", lambda e: e.largest_block_gathered() * reduce_bytes, "a reduce-scatter",
+                            "fsdp", when="blocks")
+        return
+    # As backward starts, the last block (by default, not resharded) and the output layer's unit are gathered
+    # (resharded after forward, always, the output is gathered again only once the loss's backward has run);
+    # then the block running backward, the ones prefetched, and the gradients of the one before being reduced.
+    if plugin_config.reshard_after_forward == "default":
+        estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() + e.facts.outputs_params * e.holds_outputs
+                                                  / e.weight_split) * gathered_bytes(e),
+                            "the last block and the output gathered", "fsdp", when="start")
     estimate.add_memory("buffers", lambda e: e.largest_block_gathered() * (
         in_flight * gathered_bytes(e) + reduce_bytes), "gathered blocks and a reduce-scatter", "fsdp", when="blocks")
 

@@ -286,7 +286,7 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.stream_split *= degree
     # torch's backward of a vocabulary-split embedding makes the gradient of the whole table before keeping its
     # rows (measured under torch's tracker: 3.9 GiB on every rank for 70B's 128,256 x 8,192 in float32).
-    estimate.add_memory("gradients", lambda e: e.facts.inputs_params * e.holds_inputs * e.compute_dtype.itemsize,
+    estimate.add_memory("gradients", lambda e: e.facts.inputs_params * e.holds_inputs * e.made_gradient_bytes,
                         "the embedding's gradient, whole in its backward", "tp", when="end")
     # It stays whole (a partial sum over the tp ranks) until it is reduced: accumulated over micro-batches, the
     # whole table (tracked: 7.8 GiB in float32 on a 405B pipeline's first stage under FSDP).
@@ -308,8 +308,9 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.outer_split *= facts.outer_saved / ((logits + rest - whole) / degree + whole)
         estimate.logits_split *= degree
         # Its backward (torch's loss-parallel cross entropy) makes a third float32 tensor of the logits' shape
-        # beside the two an eager loss makes (tracked: four of them as backward starts, the log-probabilities kept).
-        estimate.add_memory("activations", lambda e: e.makes_whole_eager_loss * e.microbatch_tokens
+        # beside the two an eager loss makes (tracked: four of them as backward starts, the log-probabilities kept),
+        # a chunked loss's for each chunk.
+        estimate.add_memory("activations", lambda e: e.holds_outputs * (not e.loss_keeps_logits) * e.logits_at_once
                             * e.facts.outer_logits / e.logits_split,
                             "the loss-parallel backward's third float32 tensor of the logits' shape", "tp",
                             when="start")
