@@ -126,8 +126,9 @@ def main(draws: int = 40, seed: int = 1) -> None:
         errors.append(error)
         print(f"| {error:+.1%} | {' '.join(overrides)} |", flush=True)
     worst = max(errors, key=abs)
+    within = sum(abs(e) <= 0.05 for e in errors)
     print(f"\n{len(errors)} stacks tracked ({refused} refused before launch): mean |error| "
-          f"{sum(map(abs, errors)) / len(errors):.1%}, worst {worst:+.1%}, {sum(abs(e) <= 0.05 for e in errors)} within 5%")
+          f"{sum(map(abs, errors)) / len(errors):.1%}, worst {worst:+.1%}, {within} within 5%")
     print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
 

@@ -34,8 +34,9 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
 
     def facts_in(dtype: torch.dtype):
         if dtype not in traced:
-            traced[dtype] = model_facts(plan.model, functools.partial(registry.call, registry.model, "build_model"),
-                                        dtype, config.training.seq_len, config.training.attention_mask == "block_causal")
+            build = functools.partial(registry.call, registry.model, "build_model")
+            traced[dtype] = model_facts(plan.model, build, dtype, config.training.seq_len,
+                                        config.training.attention_mask == "block_causal")
         return traced[dtype]
 
     training = config.training

@@ -23,7 +23,8 @@ from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
-MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered", "unreleased", "cached")  # when a memory term is held
+# When a memory term is held.
+MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered", "unreleased", "cached")
 HOLDINGS = ("blocks", "holds_inputs", "holds_outputs")  # the fields an entry of Estimate.ranks may set
 
 

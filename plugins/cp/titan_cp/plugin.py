@@ -25,8 +25,8 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from titan_cp.ring import configure_ring, pinned_torch_problem, register_cpu_ring_attention
 from titan_core import (CONTEXT_PARALLEL, CORE_ATTENTION, CP, DATA_PARALLEL_SHARDING, SDPA_CAUSAL, ConfigError,
-                        Declaration, attention_mask, attribute, hookimpl, lacks, masked_attention, route_masked_attention,
-                        shared_mask)
+                        Declaration, attention_mask, attribute, hookimpl, lacks, masked_attention,
+                        route_masked_attention, shared_mask)
 
 STAGE = 300  # after TP (attention then sees local heads), before AC, compile and FSDP
 ROTATE_METHODS = ("allgather", "alltoall")
