@@ -52,6 +52,10 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
         traced["optimizer"] = optimizer_facts(functools.partial(hooks.first, "build_optimizer"), config)
     optimizer = traced["optimizer"]
     result.optimizer_bytes, result.optimizer_state_bytes = optimizer.traffic, optimizer.state
+    # The largest group and tensor as this rank keeps them (of what trains: a frozen model's adapters).
+    result.optimizer_step_bytes = lambda e: optimizer.temporaries(
+        *(min(elements / (e.weight_split * e.state_shards), e.sharded_params() * e.trained_share)
+          for elements in (e.facts.largest_role, e.facts.largest_parameter)))
     result.optimizer_operators = lambda e: optimizer.operators(e.facts.parameter_roles, e.facts.parameter_tensors)
     # The core's own collective: the step's trained tokens, summed over every rank before the first forward.
     result.add_collective("all-reduce of the step's trained tokens", tuple(plan.mesh_shape), 4, overlapped=False,
@@ -106,14 +110,19 @@ def report(result: Estimate) -> str:
     hardware, plan, config = result.hardware, result.plan, result.config
     memory = result.memory()
     total = sum(memory.values())
+    stepping = memory == result.step_peak()
     shape = " x ".join(f"{d} {n}" for d, n in plan.mesh_shape.items()) or "one process"
     lines = [f"titan-core estimate: {plan.model.family}, world {plan.world_size} ({shape}), "
              f"{hardware.name} ({hardware.memory_gib:.1f} GiB, {hardware.peak_tflops():.3g} TFLOPS bf16 dense)",
-             f"  memory per rank (the most loaded), at its peak: {_size(total)} ({_fit(total, hardware)})"]
+             f"  memory per rank (the most loaded), at its peak{' (as the optimizer steps)' * stepping}: "
+             f"{_size(total)} ({_fit(total, hardware)})"]
     for category in CATEGORIES:
         lines.append(f"    {category:<12} {_size(memory[category]):>11}" + (
             "  (made in backward as the activations are freed)" if category == "gradients" and not memory[category]
             else "  (freed by then)" if category == "activations" and not memory[category] else ""))
+        if category == "optimizer" and stepping:
+            own = evaluated(result.optimizer_step_bytes, result)
+            lines.append(f"      the step's own, beyond the states: {_size(own)}")
         terms = [(what, evaluated(nbytes, result), plugin, when) for term_category, what, nbytes, plugin, when
                  in result.memory_terms if term_category == category and when != "cached"]
         for what, nbytes, plugin, when in terms:
@@ -122,7 +131,8 @@ def report(result: Estimate) -> str:
                           "end": " (after the blocks' backward)",
                           "accumulated": " (as the gradients accumulate)",
                           "regathered": " (as backward reaches each block)",
-                          "unreleased": " (until backward has run each unit)"}.get(when, "")
+                          "unreleased": " (until backward has run each unit)",
+                          "held": " (across steps)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(nbytes)}{moment}")
     reserved = result.reserved()
     if reserved > total:

@@ -24,7 +24,7 @@ from titan_core.planner.hardware import Hardware
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 # When a memory term is held.
-MOMENTS = (None, "start", "blocks", "end", "accumulated", "regathered", "unreleased", "cached")
+MOMENTS = (None, "held", "start", "blocks", "end", "accumulated", "regathered", "unreleased", "cached")
 HOLDINGS = ("blocks", "holds_inputs", "holds_outputs")  # the fields an entry of Estimate.ranks may set
 
 
@@ -119,7 +119,9 @@ class Estimate:
     optimizer step moves) and ``optimizer_state_bytes`` (bytes per parameter element its optimizer keeps), both
     measured by stepping the job's own optimizer on one parameter; an optimizer plugin whose state depends on a
     parameter's shape (Muon for matrices, AdamW for the rest) sets the latter to its average in its
-    ``estimate_costs``, and
+    ``estimate_costs``; ``optimizer_step_bytes`` (bytes its step holds at once on this rank beyond the states, a
+    number or a function of the estimate: the core measures them on one parameter, by the group and by the
+    largest tensor, and an optimizer plugin whose step holds otherwise, exchanging matrices, sets them), and
     ``optimizer_flops`` (matrix-product FLOPs its step runs on this rank, a number or a function of the estimate:
     Muon's Newton–Schulz, at the bf16 matmul rate), ``optimizer_operators`` (operators its step issues, a
     number or a function of the estimate: the core counts them per parameter group and tensor). ``trained_share``:
@@ -170,6 +172,7 @@ class Estimate:
     dispatch_cost: float = 1.0
     optimizer_bytes: float = 0.0
     optimizer_state_bytes: float = 8.0
+    optimizer_step_bytes: float | Callable[[Estimate], float] = 0.0
     optimizer_flops: float | Callable[[Estimate], float] = 0.0
     optimizer_operators: float | Callable[[Estimate], float] = 0.0
     trained_share: float = 1.0
@@ -228,8 +231,10 @@ class Estimate:
         return self.config.training.grad_accum_steps
 
     def add_memory(self, category: str, nbytes, what: str, plugin: str, when: str | None = None) -> None:
-        """Memory this plugin alone holds (``buffers`` for communication buffers): throughout the step, or only
-        ``when`` it is ``"start"`` (as backward starts), ``"blocks"`` (while the blocks run backward and after),
+        """Memory this plugin alone holds (``buffers`` for communication buffers): throughout forward and backward,
+        or ``when`` it is ``"held"``, across steps (as the optimizer steps too: a pipeline's receive buffers,
+        weights stored narrower), or only ``"start"`` (as backward starts), ``"blocks"`` (while the blocks run
+        backward and after),
         ``"end"`` (after the blocks' backward: the embeddings', every gradient made), ``"accumulated"`` (growing
         as the gradients are made and kept across micro-batches: none before the step's first backward) or
         ``"regathered"`` (weights resharded after forward that backward gathers again and keeps: each block's as
@@ -245,8 +250,8 @@ class Estimate:
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category '{category}': use one of {', '.join(CATEGORIES)}")
         if when not in MOMENTS:
-            raise ValueError(f"unknown moment '{when}': use None (throughout), 'start', 'blocks', 'end', "
-                             "'accumulated', 'regathered', 'unreleased' or 'cached'")
+            raise ValueError(f"unknown moment '{when}': use None (through forward and backward), 'held', 'start', "
+                             "'blocks', 'end', 'accumulated', 'regathered', 'unreleased' or 'cached'")
         self.memory_terms.append((category, what, nbytes, plugin, when))
 
     def add_collective(self, name: str, dims: tuple[str, ...], nbytes, overlapped: bool, plugin: str,
@@ -400,14 +405,15 @@ class Estimate:
         """Bytes per category at the step's peak: the most of a backward once the earlier micro-batches'
         gradients exist (the last one's) and, when ``first_backward`` says the rank's first backward of a step
         keeps more micro-batches, of that one, before any gradient exists (unless an earlier accumulation step
-        made them)."""
+        made them); or the optimizer's step, if it holds more."""
         later = (evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self))
         made = evaluated(self.gradients_made, self) if self.gradients_at_peak() else 0.0
         moments = [(*later, made, evaluated(self.backward_regathers, self))]
         first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
         if first is not None and (first[0] > later[0] or first[1] > later[1]):  # else it keeps no more, no gradient
             moments.append((*first, float(self.grad_accum > 1), True))  # the step's first backward follows a forward
-        return max((self._backward_peak(*moment) for moment in moments), key=lambda memory: sum(memory.values()))
+        peaks = [*(self._backward_peak(*moment) for moment in moments), self.step_peak()]
+        return max(peaks, key=lambda memory: sum(memory.values()))
 
     def reserved(self) -> float:
         """Bytes a GPU's caching allocator holds at the step's peak (what TorchTitan and ``nvidia-smi`` report):
@@ -418,6 +424,21 @@ class Estimate:
         if self.device_type == "cpu":
             return allocated
         return allocated + sum(evaluated(nbytes, self) for *_, nbytes, _, when in self.memory_terms if when == "cached")
+
+    def step_peak(self) -> dict[str, float]:
+        """Bytes per category as the optimizer steps: no activation is left; the parameters, their gradients
+        (without a sharder holding them, a split weight's whole: tensor parallel's embedding), the states and
+        what the step holds beyond them; the terms held across steps."""
+        state, trained = self.sharded_params(), self.trained_share
+        whole = 0.0 if self.sharder_holds_gradients else evaluated(self.grad_whole_params, self)
+        states = self.optimizer_state_bytes * state * trained
+        memory = {"parameters": 4 * state, "gradients": (4 * state + whole * self.made_gradient_bytes) * trained,
+                  "activations": 0.0, "optimizer": states + evaluated(self.optimizer_step_bytes, self),
+                  "buffers": float(self.facts.buffer_bytes)}
+        for category, _, nbytes, _, when in self.memory_terms:
+            if when == "held":
+                memory[category] += evaluated(nbytes, self)
+        return memory
 
     def _backward_peak(self, in_flight: float, waiting: float, accumulated: float, regathers: bool) -> dict[str, float]:
         """Bytes per category at the peak of one micro-batch's backward, with ``in_flight`` micro-batches'
@@ -461,7 +482,7 @@ class Estimate:
         for category, _, nbytes, _, when in self.memory_terms:
             if when != "cached":
                 {"start": start, "blocks": blocks, "end": end, "accumulated": grown, "regathered": regathered,
-                 "unreleased": unreleased, None: memory}[when][category] += evaluated(nbytes, self)
+                 "unreleased": unreleased, None: memory, "held": memory}[when][category] += evaluated(nbytes, self)
         # Of the rank's gathered weights, those backward has reached as it starts (all but the blocks'), then as
         # each block runs (it, the blocks after it and those prefetched before it), and at the end.
         whole = self.held_gathered() or 1.0

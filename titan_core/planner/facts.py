@@ -67,7 +67,9 @@ class ModelFacts:
     ``loss_backward``: the same for the loss and the outputs, as backward starts (the logits' gradients);
     ``output``: bytes per token of what the model's forward returns (the logits, in the traced dtype);
     ``block_ops[i]``: aten operators block ``i``'s forward and backward run, ``outer_ops``: those of the rest
-    and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's;
+    and the loss (what the host issues one by one, whatever the tokens); ``parameter_tensors``: the model's,
+    ``largest_parameter``: the elements of the largest of them, ``largest_role``: those of the role with the most
+    (the core's largest parameter group);
     ``parameter_roles``: the roles among them (the core's optimizer steps one parameter group per role).
     ``block_param_results[i]``: bytes per token of the results of block ``i``'s ops that read a parameter (its
     weights' matmuls, its norms' scales): the gradients a backward split in two keeps from its input half for its
@@ -108,6 +110,8 @@ class ModelFacts:
     block_ops: tuple[int, ...]
     outer_ops: int
     parameter_tensors: int
+    largest_parameter: int
+    largest_role: int
     parameter_roles: int
     block_expert_params: tuple[int, ...]
     block_expert_input: tuple[float, ...]
@@ -401,6 +405,10 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
     with torch.device("meta"):
         model = build(description=description)
     buffer_bytes = sum(_nbytes(b) for b in model.buffers())
+    roles: dict[str, int] = {}
+    for name, parameter in model.named_parameters():
+        role = parameter_role(description, name, parameter)
+        roles[role] = roles.get(role, 0) + parameter.numel()
     model.to(dtype)
     blocks = list(description.blocks_of(model).values()) if description.blocks else []
     tracer = _Tracer(min(TRACE_TOKENS, seq_len), _storages(model.parameters()), _storages(model.buffers()), len(blocks))
@@ -471,7 +479,8 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       block_linear_weights=tuple(tracer.linear_weights),
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
                       parameter_tensors=len(list(model.parameters())),
-                      parameter_roles=len({parameter_role(description, name, p) for name, p in model.named_parameters()}),
+                      largest_parameter=max(p.numel() for p in model.parameters()),
+                      parameter_roles=len(roles), largest_role=max(roles.values()),
                       block_expert_params=tuple(sum(p.numel() for p in experts.parameters()) if experts is not None else 0
                                                 for experts in map(description.experts_of, blocks)),
                       block_expert_input=tuple(tracer.expert_input), block_expert_copies=tuple(tracer.expert_copies),
@@ -525,35 +534,76 @@ class _Traffic(TorchDispatchMode):
         return out
 
 
+class _Temporaries(TorchDispatchMode):
+    """The most bytes the operators below it hold at once in tensors they made, beside the storages of
+    ``existing`` tensors."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing = {t.untyped_storage()._cdata for t in existing}
+        self.live = self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                if storage._cdata not in self.existing:
+                    self.existing.add(storage._cdata)
+                    self.live += storage.nbytes()
+                    self.most = max(self.most, self.live)
+                    weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.existing.discard(key)
+        self.live -= nbytes
+
+
 @dataclass(frozen=True)
 class OptimizerFacts:
     """What the job's optimizer costs per parameter element: ``state`` bytes it keeps (AdamW's two float32
-    moments: 8), ``traffic`` bytes one step moves through memory (its operators' reads and writes); and the
-    operators its step runs per parameter group and per parameter tensor (torch's batched AdamW: about 11 and 2)."""
+    moments: 8), ``traffic`` bytes one step moves through memory (its operators' reads and writes); the operators
+    its step runs per parameter group and per parameter tensor (torch's batched AdamW: about 11 and 2); and what
+    its step holds at once beyond the states, per element of a parameter group (torch's batched AdamW: one
+    float32 copy of the group, 4) and per element of its largest tensor (an update one tensor at a time)."""
 
     state: float
     traffic: float
     operators_per_group: float
     operators_per_tensor: float
+    temporaries_per_group: float
+    temporaries_per_tensor: float
 
     def operators(self, groups: int, tensors: int) -> float:
         return self.operators_per_group * groups + self.operators_per_tensor * tensors
 
+    def temporaries(self, group: float, largest_tensor: float) -> float:
+        """Bytes the step holds at once beyond its states, over a group of ``group`` elements whose largest tensor
+        has ``largest_tensor``."""
+        return self.temporaries_per_group * group + self.temporaries_per_tensor * largest_tensor
+
 
 def optimizer_facts(build_optimizer, config, elements: int = 1 << 14) -> OptimizerFacts:
     """The state and the traffic per parameter element of the job's optimizer (``build_optimizer``: the core's
-    hook, as a worker calls it), measured on one float32 parameter, and its operators per group and per tensor,
-    counted on one parameter and on two: whatever plugin builds it is priced."""
-    (traffic, one_tensor, state), (_, two_tensors, _) = (_stepped(build_optimizer, config, [elements] * tensors)
-                                                        for tensors in (1, 2))
+    hook, as a worker calls it), measured on one float32 parameter, and its operators and its temporaries per
+    group and per tensor, on one parameter, two and three: whatever plugin builds it is priced."""
+    (traffic, one_tensor, state, _), (_, two_tensors, _, two_held), (*_, three_held) = (
+        _stepped(build_optimizer, config, [elements] * tensors) for tensors in (1, 2, 3))
     per_tensor = two_tensors - one_tensor
+    # What grows with the group, and what does not: an update one tensor at a time may still hold the previous
+    # tensor's temporaries as it makes the next one's, so its tensors are counted from two on.
+    held_per_group = (three_held - two_held) / elements
     return OptimizerFacts(state=state / elements, traffic=traffic / elements,
-                          operators_per_group=one_tensor - per_tensor, operators_per_tensor=per_tensor)
+                          operators_per_group=one_tensor - per_tensor, operators_per_tensor=per_tensor,
+                          temporaries_per_group=held_per_group,
+                          temporaries_per_tensor=max(0.0, two_held / elements - 2 * held_per_group))
 
 
-def _stepped(build_optimizer, config, sizes: list[int]) -> tuple[int, int, int]:
+def _stepped(build_optimizer, config, sizes: list[int]) -> tuple[int, int, int, int]:
     """The bytes the second step of the job's optimizer moves over parameters of ``sizes`` elements (one group),
-    the operators it runs, and the bytes of per-element states it keeps."""
+    the operators it runs, the bytes of per-element states it keeps, and the most bytes its third step holds at
+    once beyond them."""
     holder = torch.nn.Module()
     for index, elements in enumerate(sizes):
         holder.register_parameter(f"weight{index}", torch.nn.Parameter(torch.zeros(elements)))
@@ -565,6 +615,10 @@ def _stepped(build_optimizer, config, sizes: list[int]) -> tuple[int, int, int]:
         traffic = _Traffic()
         with traffic:
             optimizer.step()
+        states = [v for slots in optimizer.state.values() for v in slots.values() if isinstance(v, torch.Tensor)]
+        temporaries = _Temporaries([*holder.parameters(), *(p.grad for p in holder.parameters()), *states])
+        with temporaries:
+            optimizer.step()
     except Exception as error:  # an outsider's optimizer: say which, not a traceback
         raise ConfigError("optimizer", f"the planner prices the optimizer's step on one float32 parameter, and "
                           f"the job's optimizer failed there: {str(error).splitlines()[0]}",
@@ -572,4 +626,4 @@ def _stepped(build_optimizer, config, sizes: list[int]) -> tuple[int, int, int]:
     # Per-element states only: scalar ones (a step counter) do not grow with the model.
     state = sum(value.numel() * value.element_size() for slots in optimizer.state.values() for value in slots.values()
                 if isinstance(value, torch.Tensor) and value.numel() in sizes)
-    return traffic.bytes, traffic.operators, state
+    return traffic.bytes, traffic.operators, state, temporaries.most

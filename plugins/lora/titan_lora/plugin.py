@@ -135,7 +135,7 @@ class LoraPlugin:
         if plugin_config.base_dtype == "bfloat16":
             narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model)) / every
             estimate.add_memory("parameters", lambda e: -2 * narrow * e.sharded_params(),
-                                "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora")
+                                "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora", when="held")
 
     @hookimpl
     def convert_modules(self, model, plugin_config, plan):

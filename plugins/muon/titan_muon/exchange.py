@@ -67,11 +67,13 @@ class OwnerExchange:
         """Each rank along mesh dimension ``dim`` sends ``sent[m]`` to the m-th and receives ``receive_counts[m]``
         elements from it, returned split by sender."""
         device = self.mesh.device_type
-        send = [torch.cat([t.reshape(-1).to(dtype) for t in parts]) if parts
-                else torch.empty(0, dtype=dtype, device=device) for parts in sent]
-        send_counts = [t.numel() for t in send]
+        send_counts = [sum(t.numel() for t in parts) for parts in sent]
+        # One buffer for every peer, cut by the counts: the pieces are copied once, not per peer and again joined.
+        send = torch.cat([t.reshape(-1).to(dtype) for parts in sent for t in parts] or
+                         [torch.empty(0, dtype=dtype, device=device)])
         received = torch.empty(sum(receive_counts), dtype=dtype, device=device)
-        dist.all_to_all_single(received, torch.cat(send), receive_counts, send_counts, group=self.mesh.get_group(dim))
+        dist.all_to_all_single(received, send, receive_counts, send_counts, group=self.mesh.get_group(dim))
+        del send
         me = self.coordinate[dim]
         self.received_bytes += (sum(receive_counts) - receive_counts[me]) * received.element_size()
         return list(received.split(receive_counts))
@@ -93,10 +95,13 @@ class OwnerExchange:
             arriving = self._holding(dim)
             counts = [sum(self._rows(i, (*prefix, m))[1] * self.shapes[i][1:].numel() for i in arriving)
                       for m in range(ranks)]
+            del held  # what was sent: only what arrives is kept from here on
             parts = [part.split([self._rows(i, (*prefix, m))[1] * self.shapes[i][1:].numel() for i in arriving])
                      for m, part in enumerate(self._all_to_all(dim, sent, counts, dtype))]
+            del sent
             held = {i: torch.cat([parts[m][n] for m in range(ranks)]).view(-1, *self.shapes[i][1:])
                     for n, i in enumerate(arriving)}
+            del parts  # the received buffer, copied into the matrices it holds
         return held
 
     def scatter(self, results: dict[int, torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -122,8 +122,8 @@ class MuonWithAdamW(torch.optim.AdamW):
         self.newton_schulz.flops, self.received_bytes = 0, 0
         stepped = [(param, group) for group in self.param_groups if group.get("muon")
                    for param in group["params"] if param.grad is not None]
-        updates = [self._momentum_update(param, group) for param, group in stepped]
-        for (param, group), orthogonal in zip(stepped, self._orthogonalized(updates)):
+        orthogonalized = self._orthogonalized([self._momentum_update(param, group) for param, group in stepped])
+        for (param, group), orthogonal in zip(stepped, orthogonalized):
             local = param.to_local() if isinstance(param, DTensor) else param
             local.mul_(1 - group["lr"] * group["weight_decay"])
             local.add_(orthogonal, alpha=-adjusted_lr(group["lr"], param.shape, group["adjust_lr"]))
@@ -161,11 +161,15 @@ class MuonWithAdamW(torch.optim.AdamW):
                 results[position] = laid_back(update, self.newton_schulz(rows.to_local()))
             else:
                 batches.setdefault((update.device_mesh, update.dtype), []).append((position, rows))
-        for (mesh, dtype), batch in batches.items():
+        for mesh, dtype in list(batches):
+            batch = batches.pop((mesh, dtype))
             positions = [position for position, _ in batch]
             exchange = self._exchange(mesh, tuple(rows.shape for _, rows in batch))
             wholes = exchange.gather([rows.to_local() for _, rows in batch], dtype)
-            pieces = exchange.scatter({i: self.newton_schulz(whole) for i, whole in wholes.items()},
+            # The rows laid out for the exchange go once gathered, each whole matrix once orthogonalised: beside the
+            # updates, the step holds one copy of this rank's share of them at a time, and the exchange's buffers.
+            del batch
+            pieces = exchange.scatter({i: self.newton_schulz(wholes.pop(i)) for i in list(wholes)},
                                       self.newton_schulz.dtype)
             self.received_bytes += exchange.received_bytes
             for position, piece in zip(positions, pieces):

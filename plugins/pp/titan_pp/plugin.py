@@ -311,7 +311,7 @@ def estimate_costs(estimate, plugin_config, plan):
     neighbours = [[n for s in layout.stages_of(r) for n in (s - 1, s + 1) if 0 <= n <= last] for r in range(degree)]
     remote = [sum(n not in layout.stages_of(r) for n in neighbours[r]) for r in range(degree)]
     estimate.add_memory("buffers", lambda e: len(neighbours[e.rank]) * microbatches * stream(e),
-                        "pipeline receive buffers", "pp")
+                        "pipeline receive buffers", "pp", when="held")
     # Each stage but the first sends its inputs' gradient back as its backward ends. torch lets go of it once sent
     # (stage_backward sets the inputs' .grad to None), so under a schedule that waits for each send as the next
     # begins the one sent last lives on, as the next backward runs, until that backward's own send completes:
