@@ -2,9 +2,10 @@
 
 Each draw is a stack of the first-party plugins and options (fsdp and its resharding and reduction policies, tp
 with and without sequence and loss parallel, cp, ep beside a model with experts, every checkpointing mode,
-chunked_loss, float8, LoRA or Muon, accumulation), on one of the five tiny model families, at 64 or 256 tokens,
-with Llama 3's vocabulary or one of 16,384 entries (where the loss and the embeddings weigh as at 8B), masked by
-document or not. Rank 0 of the plan runs one real step of the worker's own code on a fake process group
+chunked_loss, float8, LoRA or Muon, AdamW's implementations and bfloat16 states, accumulation), on one of the
+five tiny model families, at 16, 64 or 256 tokens (at 16 the optimizer's step often makes the peak), with Llama
+3's vocabulary or one of 16,384 entries (where the loss and the embeddings weigh as at 8B), masked by document or
+not. Rank 0 of the plan runs one real step of the worker's own code on a fake process group
 (tests/tracked_rank.py, as the tracker tests run it) and the prediction, at the expert load the step measured, is
 printed beside it; a stack the job checks refuse is counted apart. Run: python bench/planner_vs_tracker.py
 [DRAWS] [SEED] (40 draws: about 6 minutes on this machine).
@@ -39,7 +40,7 @@ WITH_EXPERTS = ("qwen3_moe_tiny", "deepseek_v3_tiny", "gpt_oss_tiny")
 def draw(rng: random.Random) -> list[str]:
     """One stack's overrides."""
     model = rng.choice(MODELS)
-    overrides = [f"model={model}", f"training.seq_len={rng.choice([64, 256])}"]
+    overrides = [f"model={model}", f"training.seq_len={rng.choice([16, 64, 256])}"]
     if rng.random() < 0.5:
         overrides.append("model.vocab_size=16384")
     if rng.random() < 0.2:
@@ -86,6 +87,9 @@ def draw(rng: random.Random) -> list[str]:
         plugins.append("lora")
     elif choice < 0.3:
         plugins.append("muon")
+    elif choice < 0.5:
+        overrides.append(rng.choice(["optimizer.implementation=for_loop", "optimizer.implementation=fused",
+                                     "optimizer.state_dtype=bfloat16"]))
     if plugins:
         overrides.append(f"+plugins=[{','.join(plugins)}]")
     if rng.random() < 0.4:
