@@ -73,7 +73,6 @@ class OwnerExchange:
                          [torch.empty(0, dtype=dtype, device=device)])
         received = torch.empty(sum(receive_counts), dtype=dtype, device=device)
         dist.all_to_all_single(received, send, receive_counts, send_counts, group=self.mesh.get_group(dim))
-        del send
         me = self.coordinate[dim]
         self.received_bytes += (sum(receive_counts) - receive_counts[me]) * received.element_size()
         return list(received.split(receive_counts))
