@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import traceback
+import types
 from pathlib import Path
 from unittest import mock
 
@@ -57,6 +58,9 @@ class _ModTracker(ModTracker):
         super()._fw_pre_hook(module, ())
 
 
+_NO_HOOK = types.SimpleNamespace(remove=lambda: None)
+
+
 class Tracker(MemTracker):
     """torch's tracker, letting a whole model part run forward several times in a step (once per micro-batch:
     accumulation, a pipeline stage), which it refuses as a second iteration: the part's own record starts
@@ -65,6 +69,14 @@ class Tracker(MemTracker):
     def __init__(self):
         super().__init__()
         self._mod_tracker = _ModTracker()
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        # torch's tracker hooks every parameter's gradient, and a frozen one (LoRA's base) refuses a hook: it makes
+        # no gradient to count.
+        for parameter in module.parameters():
+            if not parameter.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(parameter, (_NO_HOOK, _NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module, inputs):
         modules = self._mod_tracker

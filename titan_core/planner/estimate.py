@@ -370,6 +370,18 @@ class Estimate:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""
         return sum(self.kept(i) for i in self.blocks) + self.outer_kept() + evaluated(self.output_kept, self)
 
+    def loss_backward_bytes(self) -> float:
+        """Bytes of one micro-batch that the outputs and the loss hold on this rank at the peak of their backward,
+        as the step's backward starts: what they kept and the logits' gradients (a chunked loss's one chunk's
+        logits made again, and their gradients); their weights' gradients left out."""
+        facts, tokens = self.facts, self.microbatch_tokens
+        if not self.holds_outputs:
+            return 0.0
+        if self.logits_tokens is None:
+            return tokens * (self.outer_kept() + facts.loss_backward / self.logits_split)
+        return tokens * self.outer_kept() + self.logits_at_once * (facts.outer_logits + facts.loss_backward
+                                                                   ) / self.logits_split
+
     def outer_kept(self) -> float:
         """Bytes per token the outputs and the loss keep until backward on this rank (the logits' only when the
         loss computes them all at once)."""
@@ -466,13 +478,6 @@ class Estimate:
         others = (tokens * ((in_flight - 1) * self.kept_per_token() + waiting * self.param_results_per_token()
                             + evaluated(self.output_kept, self)) + masks)
         kept = [tokens * self.kept(i) for i in self.blocks]
-        outer = tokens * self.outer_kept()
-        if not self.holds_outputs:
-            loss_backward = 0.0
-        elif self.logits_tokens is None:  # the logits' gradients
-            loss_backward = tokens * facts.loss_backward / self.logits_split
-        else:  # one chunk's logits made again, and their gradients
-            loss_backward = self.logits_at_once * (facts.outer_logits + facts.loss_backward) / self.logits_split
         trained = self.trained_share
         all_gradients = 4 * state * trained
         made = 4 * trained * (state - sum(facts.block_params[i] for i in self.blocks) / shards)  # blocks' come later
@@ -502,7 +507,7 @@ class Estimate:
                     output + sum(map(self.block_gathered, self.blocks))]
         kept_gathered = [1 - share / whole for share in released]
         # (activations, gradients, this moment's own terms)
-        phases = [(others + sum(kept) + outer + loss_backward, 0.0, start)]
+        phases = [(others + sum(kept) + self.loss_backward_bytes(), 0.0, start)]
         for position in reversed(range(len(self.blocks))):
             i = self.blocks[position]
             # Its output's gradient has the stream's shape and split; beside what it keeps, what its backward

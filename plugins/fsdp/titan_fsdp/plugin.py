@@ -222,12 +222,19 @@ def estimate_costs(estimate, plugin_config, plan):
                             "their shards (reduce_gradients)", "fsdp", when="accumulated")
     in_flight = 1 + max(plugin_config.prefetch, 1)
     if plugin_config.reshard_after_forward == "never":
-        # Every unit stays gathered from its forward until its backward has run; the block before the one
-        # running backward has its gradients reduced.
+        def reducing(e):  # the block before the one running backward has its gradients reduced
+            return e.largest_block_gathered() * reduce_bytes
+    else:
+        def reducing(e):  # the block running backward, those prefetched, the one before reduced
+            return e.largest_block_gathered() * (in_flight * gathered_bytes(e) + reduce_bytes)
+    if reductions == micro:
+        _add_outer_reductions(estimate, reducing, reduce_bytes, shards,
+                              output_counted=plugin_config.reshard_after_forward != "always")
+    if plugin_config.reshard_after_forward == "never":
+        # Every unit stays gathered from its forward until its backward has run.
         estimate.add_memory("buffers", gathered, "every unit gathered since forward, until its backward", "fsdp",
                             when="unreleased")
-        estimate.add_memory("buffers", lambda e: e.largest_block_gathered() * reduce_bytes, "a reduce-scatter",
-                            "fsdp", when="blocks")
+        estimate.add_memory("buffers", reducing, "a reduce-scatter", "fsdp", when="blocks")
         return
     # As backward starts, the last block (by default, not resharded) and the output layer's unit are gathered
     # (resharded after forward, always, the output is gathered again only once the loss's backward has run);
@@ -236,8 +243,43 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() + e.facts.outputs_params * e.holds_outputs
                                                   / e.weight_split) * gathered_bytes(e),
                             "the last block and the output gathered", "fsdp", when="start")
-    estimate.add_memory("buffers", lambda e: e.largest_block_gathered() * (
-        in_flight * gathered_bytes(e) + reduce_bytes), "gathered blocks and a reduce-scatter", "fsdp", when="blocks")
+    estimate.add_memory("buffers", reducing, "gathered blocks and a reduce-scatter", "fsdp", when="blocks")
+
+
+def _add_outer_reductions(estimate, reducing, reduce_bytes: int, shards: int, output_counted: bool) -> None:
+    """The reductions of the units larger than any block, which a vocabulary makes (tracked at 16,384 entries: the
+    step's peak, 11 to 16% above the blocks'): the output layer's, as the loss's backward ends, and the embeddings'
+    (the root unit's, in FSDP2's final callback), as backward ends. Each holds the unit's gradients whole as
+    backward made them, their copy in the reduction's dtype and the shard it makes; before it, the output's matmul
+    makes its gradient beside the logits' and the output's gathered weights."""
+    def shard_made(accumulated: bool) -> float:
+        # Bytes per element of the unit that its reduction leaves: the reduce-scatter's output, and the float32
+        # shard cast from it (unless it is one) or that it is added into (an earlier micro-batch's).
+        return (reduce_bytes + 4 * (reduce_bytes != 4 or accumulated)) / shards
+
+    def output_reduced(e):
+        whole = e.facts.outputs_params * e.holds_outputs / e.weight_split
+        if not whole or e.logits_tokens is not None:  # a chunked loss counts the output's gradient as it sums it
+            return 0.0
+        gradient, gathered_output = whole * e.made_gradient_bytes, whole * gathered_bytes(e)
+        matmul = gradient + e.microbatch_tokens * e.facts.output / e.logits_split + gathered_output
+        reduction = gradient + whole * (reduce_bytes + shard_made(accumulated=False))
+        # Beyond the loss's backward and the output's weights, which the moment as backward starts holds already.
+        return max(0.0, max(matmul, reduction) - e.loss_backward_bytes() - output_counted * gathered_output)
+
+    def inputs_reduced(e):
+        rows, accumulated = e.facts.inputs_params * e.holds_inputs / e.weight_split, e.gradients_at_peak()
+        reduction = rows * (e.made_gradient_bytes + reduce_bytes + shard_made(accumulated) - 4 / shards)
+        beyond = evaluated(e.grad_whole_params, e)
+        if beyond:
+            # Made whole by another plugin's backward (and counted by it: a vocabulary-split embedding's), the
+            # gradient is cut to the rank's rows by the post-backward, which holds them twice beside it (tracked),
+            # before the shard exists; the reduction follows once the whole one is freed.
+            cut = 2 * rows * e.made_gradient_bytes - (not accumulated) * 4 * rows / shards
+            reduction = max(cut, reduction - (rows + beyond) * e.made_gradient_bytes)
+        return max(0.0, reduction - reducing(e))  # no block is gathered or reduced any more
+    estimate.add_memory("buffers", output_reduced, "the output layer's gradient reduced", "fsdp", when="start")
+    estimate.add_memory("buffers", inputs_reduced, "the embeddings' gradient reduced", "fsdp", when="end")
 
 
 def gathered_bytes(estimate) -> int:
