@@ -20,11 +20,19 @@ from titan_core.planner.hardware import Hardware, by_device_name, cpu_measured
 from titan_core.plugins import Hooks, Registry, build_plan
 
 
+def _converted(build, conversions: list, **kwargs):
+    """The model ``build`` makes, converted in place by each of ``conversions`` in turn."""
+    model = build(**kwargs)
+    for convert in conversions:
+        convert(model)
+    return model
+
+
 def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced: dict | None = None,
              expert_load: float = 1.0, expert_load_peak: float | None = None) -> Estimate:
     """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
-    ``traced`` keeps the model's facts by dtype (and the optimizer's traffic) between estimates of the same model,
-    sequence length and attention mask; ``expert_load`` and ``expert_load_peak``: :attr:`Estimate.expert_load` and
+    ``traced`` keeps the model's facts by dtype and conversions (and the optimizer's traffic) between estimates
+    of the same model, sequence length and attention mask; ``expert_load`` and ``expert_load_peak``: :attr:`Estimate.expert_load` and
     :attr:`Estimate.expert_load_peak` (the plan command's ``--expert-load`` and ``--expert-load-peak``)."""
     traced = {} if traced is None else traced
     for flag, load in (("--expert-load", expert_load), ("--expert-load-peak", expert_load_peak)):
@@ -32,12 +40,14 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
             raise ConfigError(flag, f"model '{plan.model.family}' has no experts to route unevenly",
                               f"leave {flag} out for a dense model")
 
-    def facts_in(dtype: torch.dtype):
-        if dtype not in traced:
-            build = functools.partial(registry.call, registry.model, "build_model")
-            traced[dtype] = model_facts(plan.model, build, dtype, config.training.seq_len,
-                                        config.training.attention_mask == "block_causal")
-        return traced[dtype]
+    def facts_in(dtype: torch.dtype, conversions: dict | None = None):
+        key = (dtype, *sorted(conversions or ()))
+        if key not in traced:
+            build = functools.partial(_converted, functools.partial(registry.call, registry.model, "build_model"),
+                                      list((conversions or {}).values()))
+            traced[key] = model_facts(plan.model, build, dtype, config.training.seq_len,
+                                      config.training.attention_mask == "block_causal")
+        return traced[key]
 
     training = config.training
     result = Estimate(config=config, plan=plan, hardware=hardware, facts_in=facts_in,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from titan_core.capabilities import MIXED_PRECISION
 from titan_core.mesh import cpu_threads
@@ -126,13 +127,16 @@ class Estimate:
     Muon's Newton–Schulz, at the bf16 matmul rate), ``optimizer_operators`` (operators its step issues, a
     number or a function of the estimate: the core counts them per parameter group and tensor). ``trained_share``:
     the parameters that train, as a share of the model's (a plugin that freezes the model and adds parameters
-    of its own sets it): gradients, optimizer states and the optimizer's traffic exist for those only.
+    of its own sets it): gradients, optimizer states and the optimizer's traffic exist for those only;
+    ``trace_conversions`` (by plugin name, functions converting the meta model in place, which the model's trace
+    applies after building it: what a plugin changes in what the blocks keep by converting modules, LoRA's frozen
+    weights and adapters; :attr:`facts` are then those of the converted model).
     """
 
     config: object
     plan: object
     hardware: Hardware
-    facts_in: Callable[[torch.dtype], ModelFacts]
+    facts_in: Callable[[torch.dtype, dict], ModelFacts]
     device_type: str = "cuda"
     weight_split: int = 1
     expert_split: int = 1
@@ -183,10 +187,11 @@ class Estimate:
     collectives: list[Collective] = field(default_factory=list)
     counted: list[str] = field(default_factory=list)
     not_counted: list[str] = field(default_factory=list)
+    trace_conversions: dict[str, Callable[[nn.Module], None]] = field(default_factory=dict)
 
     @property
     def facts(self) -> ModelFacts:
-        facts = self.facts_in(self.compute_dtype)
+        facts = self.facts_in(self.compute_dtype, self.trace_conversions)
         return facts.with_fused_loss if self.loss_keeps_logits else facts
 
     @property

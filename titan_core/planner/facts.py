@@ -17,6 +17,7 @@ import contextlib
 import functools
 import math
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 
@@ -44,7 +45,8 @@ class ModelFacts:
     """One model's parameter counts and kept activations (bytes per token, in the dtype it was traced in).
 
     ``block_params[i]``/``block_saved[i]``: block ``i``; ``inputs_params``/``outputs_params``: the modules the
-    description names as run before / after the blocks (embeddings; final norm and output); ``outer_saved``:
+    description names as run before / after the blocks (embeddings; final norm and output), ``outputs_trained``:
+    those of the latter that train (a frozen model's: none); ``outer_saved``:
     what the inputs, outputs and the loss keep (the logits, in float32 for the loss), of which ``outer_logits``
     have the logits' shape (what loss parallel splits by vocabulary); ``block_input``: the
     residual stream entering a block, what full checkpointing keeps of it; ``block_stream_saved[i]``: the part
@@ -117,6 +119,7 @@ class ModelFacts:
     block_expert_input: tuple[float, ...]
     block_expert_copies: tuple[float, ...]
     block_expert_saved: tuple[float, ...]
+    outputs_trained: int
 
     @property
     def params(self) -> int:
@@ -190,6 +193,7 @@ class _Tracer(TorchDispatchMode):
         self.in_experts = False  # an experts module runs: what autograd keeps now is theirs
         # Every allocation and free in order, and where each block's forward and backward start and end.
         self.timeline: list[tuple[str, int, int]] = []
+        self.ends_with_backward: set[int] = set()  # blocks whose inputs need no gradient
         self.alive: dict[int, int] = {}  # id of a live storage -> its key
         self.next_key = 0
         self.saved_keys: set[int] = set()  # the allocations autograd keeps
@@ -233,6 +237,8 @@ class _Tracer(TorchDispatchMode):
                    for a in pytree.tree_leaves(args))
 
     def enter(self, index: int, module, args) -> None:
+        if not args[0].requires_grad:  # a frozen model's (LoRA's) first block: its backward runs to the end
+            self.ends_with_backward.add(index)
         self.block = self.counting = index
         self.matmuls = 0
         self.block_input = _nbytes(args[0]) / self.positions
@@ -291,8 +297,15 @@ class _Tracer(TorchDispatchMode):
             self.mask_keys.add(self.alive[id(storage)])
 
     def mark(self, what: str, index: int, *_) -> None:
+        if what == "end" and index in self.ends_with_backward:
+            return  # its full backward hook fires as its backward starts: no input of it needs a gradient
         self.timeline.append((what, index, 0))
         self.counting = index if what == "start" else None
+
+    def backward_ended(self) -> None:
+        """The end of the backward of the blocks whose inputs need no gradient."""
+        self.timeline += [("end", index, 0) for index in sorted(self.ends_with_backward)]
+        self.counting = None
 
     def forward_peaks(self, n_blocks: int) -> list[float]:
         """Per block, the most its forward held at once beyond what autograd keeps of it once it has run."""
@@ -445,7 +458,10 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                 stack.enter_context(patch)
             stack.enter_context(tracer)
             tracer.mark("backward", -1)
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)  # handled: backward_ended
             loss.backward()
+            tracer.backward_ended()
     finally:
         _Tracer.active = None
     gradients = {tracer.alive[id(p.grad.untyped_storage())] for p in model.parameters()
@@ -463,9 +479,12 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
             streams[block] += nbytes / tracer.positions if stream else 0.0
     counts = {group: sum(p.numel() for path in paths or () for p in model.get_submodule(path).parameters())
               for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
+    outputs_trained = sum(p.numel() for path in description.outputs or ()
+                          for p in model.get_submodule(path).parameters() if p.requires_grad)
     block_params = tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
     total = sum(p.numel() for p in model.parameters())
     return ModelFacts(block_params=block_params, inputs_params=counts["inputs"], outputs_params=counts["outputs"],
+                      outputs_trained=outputs_trained,
                       other_params=total - sum(block_params) - counts["inputs"] - counts["outputs"],
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made),

@@ -115,8 +115,8 @@ def estimate_costs(estimate, plugin_config, plan):
     # The logits layer's weight is used once per chunk: autograd sums its gradients over the chunks as their
     # backward runs, in a buffer as wide as the logits' vocabulary (the whole table unless loss parallel splits it,
     # however tensor parallel split the weight), beside what a chunk's backward makes. A micro-batch of one chunk
-    # uses it once: nothing is summed.
-    estimate.add_memory("gradients", lambda e: e.holds_outputs * e.facts.outputs_params / e.logits_split
+    # uses it once, a frozen one never: nothing is summed.
+    estimate.add_memory("gradients", lambda e: e.holds_outputs * e.facts.outputs_trained / e.logits_split
                         * e.made_gradient_bytes * (e.microbatch_tokens > e.logits_tokens),
                         "the logits layer's gradient, summed over the chunks", "chunked_loss", when="start")
     # Forward FLOPs of the logits per token (2 x vocabulary x width, the output's parameters), as a share of a

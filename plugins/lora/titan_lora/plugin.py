@@ -21,6 +21,7 @@ first region is attention, its second the MLP; ``experts`` are its ``ExpertsLayo
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -103,6 +104,23 @@ def validate_options(config, options, plan) -> None:
                               f"targets {list(options.targets)}", "set plugins.lora.targets to the adapter's modules")
 
 
+def adapt(model, plugin_config, plan) -> set[str]:
+    """Freeze every weight of ``model`` (those of matmuls in bfloat16 if asked) and give the chosen linears and
+    expert stacks their adapters, in place; the names of the modules adapted."""
+    model.requires_grad_(False)
+    if plugin_config.base_dtype == "bfloat16":
+        for weight in frozen_matmul_weights(model, plan.model):
+            weight.data = weight.data.to(torch.bfloat16)
+    linears = chosen_linears(model, plan.model, target_paths(plan.model, plugin_config.targets))
+    for linear in linears.values():
+        add_adapter(linear, plugin_config.rank, scale(plugin_config), plugin_config.dropout)
+    stacks = expert_stacks(plan.model, plugin_config.targets)
+    experts = chosen_experts(model, plan.model) if stacks else {}
+    for module in experts.values():
+        add_expert_adapters(module, stacks, plugin_config.rank, scale(plugin_config))
+    return set(linears) | set(experts)
+
+
 class LoraPlugin:
     """The run's LoRA: which linears it adapted, checked again once the model is built."""
 
@@ -122,7 +140,8 @@ class LoraPlugin:
 
     @hookimpl
     def estimate_costs(self, estimate, config, plugin_config, plan):
-        """lora: only the adapters train: gradients and optimizer states for their share of the model's size."""
+        """lora: only the adapters train: gradients and optimizer states for their share of the model's size; the
+        model traced frozen, with its adapters."""
         model = build_meta_model(config, plan.model)
         linears = chosen_linears(model, plan.model, target_paths(plan.model, plugin_config.targets))
         adapters = sum(plugin_config.rank * (linear.in_features + linear.out_features) for linear in linears.values())
@@ -130,8 +149,12 @@ class LoraPlugin:
         adapters += sum(plugin_config.rank * (weight.shape[0] * (weight.shape[1] + weight.shape[2]))
                         for experts in (chosen_experts(model, plan.model) if stacks else {}).values()
                         for weight in map(experts.get_parameter, stacks))
-        every = sum(p.numel() for p in model.parameters())
+        every = sum(p.numel() for p in model.parameters()) + adapters
         estimate.trained_share = adapters / every
+        # The model is traced as this plugin converts it: a frozen weight's matmul keeps no input for its gradient,
+        # a frozen norm no normalized input; each adapter keeps its own.
+        estimate.trace_conversions[f"lora {plugin_config}"] = functools.partial(adapt, plugin_config=plugin_config,
+                                                                                 plan=plan)
         if plugin_config.base_dtype == "bfloat16":
             narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model)) / every
             estimate.add_memory("parameters", lambda e: -2 * narrow * e.sharded_params(),
@@ -141,18 +164,7 @@ class LoraPlugin:
     def convert_modules(self, model, plugin_config, plan):
         """lora: freeze every weight (those of matmuls in bfloat16 if asked) and give the chosen linears and expert
         stacks their adapters."""
-        model.requires_grad_(False)
-        if plugin_config.base_dtype == "bfloat16":
-            for weight in frozen_matmul_weights(model, plan.model):
-                weight.data = weight.data.to(torch.bfloat16)
-        linears = chosen_linears(model, plan.model, target_paths(plan.model, plugin_config.targets))
-        for linear in linears.values():
-            add_adapter(linear, plugin_config.rank, scale(plugin_config), plugin_config.dropout)
-        stacks = expert_stacks(plan.model, plugin_config.targets)
-        experts = chosen_experts(model, plan.model) if stacks else {}
-        for module in experts.values():
-            add_expert_adapters(module, stacks, plugin_config.rank, scale(plugin_config))
-        self.adapted = set(linears) | set(experts)
+        self.adapted = adapt(model, plugin_config, plan)
 
     @hookimpl
     def apply_parallelism(self, model_parts):
