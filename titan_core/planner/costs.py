@@ -32,8 +32,9 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
              expert_load: float = 1.0, expert_load_peak: float | None = None) -> Estimate:
     """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
     ``traced`` keeps the model's facts by dtype and conversions (and the optimizer's traffic) between estimates
-    of the same model, sequence length and attention mask; ``expert_load`` and ``expert_load_peak``: :attr:`Estimate.expert_load` and
-    :attr:`Estimate.expert_load_peak` (the plan command's ``--expert-load`` and ``--expert-load-peak``)."""
+    of the same model, sequence length and attention mask; ``expert_load`` and ``expert_load_peak``:
+    :attr:`Estimate.expert_load` and :attr:`Estimate.expert_load_peak` (the plan command's ``--expert-load`` and
+    ``--expert-load-peak``)."""
     traced = {} if traced is None else traced
     for flag, load in (("--expert-load", expert_load), ("--expert-load-peak", expert_load_peak)):
         if load not in (1, None) and plan.model.experts is None:

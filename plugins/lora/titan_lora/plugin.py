@@ -143,21 +143,16 @@ class LoraPlugin:
         """lora: only the adapters train: gradients and optimizer states for their share of the model's size; the
         model traced frozen, with its adapters."""
         model = build_meta_model(config, plan.model)
-        linears = chosen_linears(model, plan.model, target_paths(plan.model, plugin_config.targets))
-        adapters = sum(plugin_config.rank * (linear.in_features + linear.out_features) for linear in linears.values())
-        stacks = expert_stacks(plan.model, plugin_config.targets)
-        adapters += sum(plugin_config.rank * (weight.shape[0] * (weight.shape[1] + weight.shape[2]))
-                        for experts in (chosen_experts(model, plan.model) if stacks else {}).values()
-                        for weight in map(experts.get_parameter, stacks))
-        every = sum(p.numel() for p in model.parameters()) + adapters
-        estimate.trained_share = adapters / every
+        narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model))  # before the adapters join them
+        adapt(model, plugin_config, plan)
+        every = sum(p.numel() for p in model.parameters())
+        estimate.trained_share = sum(p.numel() for p in model.parameters() if p.requires_grad) / every
         # The model is traced as this plugin converts it: a frozen weight's matmul keeps no input for its gradient,
         # a frozen norm no normalized input; each adapter keeps its own.
         estimate.trace_conversions[f"lora {plugin_config}"] = functools.partial(adapt, plugin_config=plugin_config,
                                                                                  plan=plan)
         if plugin_config.base_dtype == "bfloat16":
-            narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model)) / every
-            estimate.add_memory("parameters", lambda e: -2 * narrow * e.sharded_params(),
+            estimate.add_memory("parameters", lambda e: -2 * narrow / every * e.sharded_params(),
                                 "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora", when="held")
 
     @hookimpl
