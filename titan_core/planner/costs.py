@@ -41,13 +41,13 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
             raise ConfigError(flag, f"model '{plan.model.family}' has no experts to route unevenly",
                               f"leave {flag} out for a dense model")
 
-    def facts_in(dtype: torch.dtype, conversions: dict | None = None):
-        key = (dtype, *sorted(conversions or ()))
+    def facts_in(dtype: torch.dtype, conversions: dict | None = None, autocast: bool = False):
+        key = (dtype, autocast, *sorted(conversions or ()))
         if key not in traced:
             build = functools.partial(_converted, functools.partial(registry.call, registry.model, "build_model"),
                                       list((conversions or {}).values()))
             traced[key] = model_facts(plan.model, build, dtype, config.training.seq_len,
-                                      config.training.attention_mask == "block_causal")
+                                      config.training.attention_mask == "block_causal", autocast)
         return traced[key]
 
     training = config.training
@@ -73,6 +73,8 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
                           plugin="core", calls=1)
     result.add_memory("buffers", _logits_room, "the logits' room, left when an eager loss upcasts them: its float32 "
                       "tensors are larger", "core", when="cached")
+    result.add_memory("activations", _weight_copies, "the weights' copies in the compute dtype, which autocast "
+                      "caches until the micro-batch's backward ends", "core")
     result.add_memory("gradients", _whole_gradients_accumulated, "split weights' gradients kept whole across "
                       "micro-batches", "core", when="accumulated")
     for name in (p.name for p in plan.plugins):
@@ -103,6 +105,16 @@ def _logits_room(result: Estimate) -> float:
     the allocator beside what is allocated (the seeds' 8B step replayed through a model of PyTorch's caching
     allocator: tests/allocator_replay.py)."""
     return result.leaves_logits_room * result.microbatch_tokens * result.facts.output / result.logits_split
+
+
+def _weight_copies(result: Estimate) -> float:
+    """The copies autocast makes of the weights this rank computes with (its share of each block's, the output
+    layer's if it holds it), cached from their first use to the end of the micro-batch, backward included (the
+    core's step runs backward inside autocast)."""
+    facts = result.facts
+    blocks = result.casts_block_weights * sum(facts.block_weight_casts[i] * result.block_gathered(i)
+                                              / facts.block_params[i] for i in result.blocks if facts.block_params[i])
+    return blocks + facts.outer_weight_casts * result.holds_outputs / result.weight_split
 
 
 def _whole_gradients_accumulated(result: Estimate) -> float:

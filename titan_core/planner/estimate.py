@@ -70,7 +70,10 @@ class Estimate:
     those three fields, which :meth:`each_rank` gives each rank's estimate, its index there as ``rank``; any
     other field that differs by rank is a function of the estimate reading ``e.rank``, so that later plugins
     can wrap it), ``compute_dtype`` (what activations and gathered weights are
-    in), ``gather_bytes`` (bytes per weight element moved by a weight all-gather, None: ``compute_dtype``'s).
+    in), ``gather_bytes`` (bytes per weight element moved by a weight all-gather, None: ``compute_dtype``'s),
+    ``casts_block_weights`` (whether the core's autocast copies the blocks' weights into ``compute_dtype`` for
+    their products, copies it caches until the micro-batch's backward ends; False: the blocks' linears cast the
+    float32 weights themselves, float8's straight to float8).
 
     Activations, per micro-batch of ``microbatch_rows`` rows of ``seq_len`` tokens: ``sequence_split`` (ranks
     a sequence is split over: context parallel), ``activation_split`` / ``outer_split`` (ranks the blocks' /
@@ -136,7 +139,7 @@ class Estimate:
     config: object
     plan: object
     hardware: Hardware
-    facts_in: Callable[[torch.dtype, dict], ModelFacts]
+    facts_in: Callable[[torch.dtype, dict, bool], ModelFacts]
     device_type: str = "cuda"
     weight_split: int = 1
     expert_split: int = 1
@@ -148,6 +151,7 @@ class Estimate:
     holds_outputs: bool = True
     compute_dtype: torch.dtype = torch.float32
     gather_bytes: float | None = None
+    casts_block_weights: bool = True
     microbatch_rows: int = 1
     sequence_split: int = 1
     stream_split: int = 1
@@ -191,7 +195,7 @@ class Estimate:
 
     @property
     def facts(self) -> ModelFacts:
-        facts = self.facts_in(self.compute_dtype, self.trace_conversions)
+        facts = self.facts_in(self.compute_dtype, self.trace_conversions, self.autocasts)
         return facts.with_fused_loss if self.loss_keeps_logits else facts
 
     @property
@@ -212,6 +216,12 @@ class Estimate:
         (they are narrower): the loss's float32 tensors, larger, do not fit where they were, so the caching
         allocator keeps that room, and any block freed beside it, as backward starts."""
         return self.makes_whole_eager_loss and self.facts.outer_logits > self.facts.output
+
+    @property
+    def autocasts(self) -> bool:
+        """Whether the core's autocast computes in ``compute_dtype`` with float32 weights (no plugin provides
+        mixed precision its own way)."""
+        return self.compute_dtype != torch.float32 and not self.plan.provides(MIXED_PRECISION)
 
     @property
     def made_gradient_bytes(self) -> int:

@@ -8,7 +8,8 @@ materialize, so every figure is linear in the tokens and a trace of a few tokens
 The core's mixture-of-experts layer routes by value, which meta tensors lack: while tracing, each expert receives an
 equal share of the token copies (the load balancing aims at), run as one batch per expert. Any model plugin is
 measured this way: its description needs nothing more (a model with its own experts' layer must route without
-values).
+values). A job under the core's autocast (float32 weights, products in a narrower dtype) is traced so, on fake
+CPU tensors: meta tensors have no autocast.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import titan_core.attention as attention
@@ -85,6 +87,9 @@ class ModelFacts:
     sends to the experts' ranks and back), ``block_expert_copies[i]``: how many copies of each token enter it,
     ``block_expert_saved[i]``: the part of ``block_saved[i]`` its experts module keeps, all three evenly routed
     (what grows with uneven routing: ``Estimate.expert_load``).
+    ``block_weight_casts[i]``/``outer_weight_casts``: bytes of the copies in the compute dtype that autocast makes of
+    block ``i``'s weights and of the rest's (the output layer's) when traced under it (float32 weights; 0
+    otherwise), which its cache keeps until the micro-batch's backward has run.
     """
 
     block_params: tuple[int, ...]
@@ -120,6 +125,8 @@ class ModelFacts:
     block_expert_copies: tuple[float, ...]
     block_expert_saved: tuple[float, ...]
     outputs_trained: int
+    block_weight_casts: tuple[int, ...]
+    outer_weight_casts: int
 
     @property
     def params(self) -> int:
@@ -191,6 +198,7 @@ class _Tracer(TorchDispatchMode):
         self.expert_copies = [0.0] * n_blocks
         self.expert_saved = [0.0] * n_blocks
         self.in_experts = False  # an experts module runs: what autograd keeps now is theirs
+        self.weight_casts = [0] * (n_blocks + 1)  # per block, and last outside the blocks
         # Every allocation and free in order, and where each block's forward and backward start and end.
         self.timeline: list[tuple[str, int, int]] = []
         self.ends_with_backward: set[int] = set()  # blocks whose inputs need no gradient
@@ -261,6 +269,12 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops[-1 if self.counting is None else self.counting] += 1
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.parameters:
+            # Autocast's copy of a weight in the compute dtype: a weight to the rest of the trace, whatever the tokens.
+            copy = out.untyped_storage()
+            self.parameters.add(copy._cdata)
+            self.learned.add(copy._cdata)
+            self.weight_casts[-1 if self.block is None else self.block] += copy.nbytes()
         results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
         reads_parameter = self.block is not None and self._reads_parameter(args)
         self.record(func.overloadpacket.__name__, args, *results, reads_parameter=reads_parameter)
@@ -411,18 +425,29 @@ def _tracing_patches():
 
 
 def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_len: int,
-                documents: bool = False) -> ModelFacts:
+                documents: bool = False, autocast: bool = False) -> ModelFacts:
     """The facts of the model ``description`` describes, built by ``build(description=...)`` (the model
     plugin's ``build_model`` hook) and traced in ``dtype`` on at most ``TRACE_TOKENS`` of ``seq_len`` positions;
-    with ``documents``, its forward given document ids as a job masking by document gives them."""
-    with torch.device("meta"):
+    with ``documents``, its forward given document ids as a job masking by document gives them; with
+    ``autocast``, its weights left float32 and its forward run under autocast to ``dtype``, as the core's step
+    runs it without a plugin providing mixed precision."""
+    if not autocast:
+        return _traced_facts(description, build, dtype, seq_len, documents, autocast=False, device="meta")
+    with FakeTensorMode():
+        return _traced_facts(description, build, dtype, seq_len, documents, autocast=True, device="cpu")
+
+
+def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, documents: bool, autocast: bool,
+                  device: str) -> ModelFacts:
+    with torch.device(device):
         model = build(description=description)
     buffer_bytes = sum(_nbytes(b) for b in model.buffers())
     roles: dict[str, int] = {}
     for name, parameter in model.named_parameters():
         role = parameter_role(description, name, parameter)
         roles[role] = roles.get(role, 0) + parameter.numel()
-    model.to(dtype)
+    if not autocast:
+        model.to(dtype)
     blocks = list(description.blocks_of(model).values()) if description.blocks else []
     tracer = _Tracer(min(TRACE_TOKENS, seq_len), _storages(model.parameters()), _storages(model.buffers()), len(blocks))
     for index, block in enumerate(blocks):
@@ -434,7 +459,7 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
         if experts is not None:  # a model's own experts module (the core's runs evenly routed, below)
             experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(len(args[0]), _nbytes(args[0])))
             experts.register_forward_hook(tracer.leave_experts)
-    tokens = torch.zeros(1, tracer.positions, dtype=torch.long, device="meta")
+    tokens = torch.zeros(1, tracer.positions, dtype=torch.long, device=device)
     _Tracer.active = tracer
     try:
         with contextlib.ExitStack() as stack:
@@ -442,6 +467,8 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
             for patch in _tracing_patches():
                 stack.enter_context(patch)
             stack.enter_context(tracer)
+            if autocast:
+                stack.enter_context(torch.autocast("cpu", dtype=dtype))
             try:
                 logits = model(tokens, document_ids=attention.document_ids(tokens, 0)) if documents else model(tokens)
             except (NotImplementedError, RuntimeError) as error:
@@ -503,7 +530,8 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
                       block_expert_params=tuple(sum(p.numel() for p in experts.parameters()) if experts is not None else 0
                                                 for experts in map(description.experts_of, blocks)),
                       block_expert_input=tuple(tracer.expert_input), block_expert_copies=tuple(tracer.expert_copies),
-                      block_expert_saved=tuple(tracer.expert_saved))
+                      block_expert_saved=tuple(tracer.expert_saved),
+                      block_weight_casts=tuple(tracer.weight_casts[:-1]), outer_weight_casts=tracer.weight_casts[-1])
 
 
 class OperatorCounter(TorchDispatchMode):

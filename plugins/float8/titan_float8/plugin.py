@@ -140,7 +140,8 @@ def after_optimizer_step(model_parts, plugin_config):
 def estimate_costs(estimate, plugin_config, plan):
     """float8: the blocks' matmuls (rowwise_with_gw_hp: two of each linear's three) at the float8 rate the hardware
     reaches, the casts' memory traffic as the recipe's kernels move it, and float8 weights in FSDP's all-gather
-    when fsdp_float8_all_gather is on (each rank then casts its shard of the weights, before the gather)."""
+    when fsdp_float8_all_gather is on (each rank then casts its shard of the weights, before the gather); under the
+    core's autocast, no copy of the blocks' weights in the compute dtype."""
     hardware = estimate.hardware
     if estimate.device_type == "cuda" and not hardware.fp8_tflops:
         raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
@@ -152,6 +153,7 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.matmul_speedup /= (1 - share) + share * hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
     inputs, gradients, weights = CAST_BYTES.get(plugin_config.recipe, MXFP8_CAST_BYTES)
     gathered_cast = not plugin_config.fsdp_float8_all_gather
+    estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
 
     def cast_bytes(e):
         facts, microbatches = e.facts, e.microbatches_per_step()
