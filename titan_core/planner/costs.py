@@ -51,38 +51,49 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
         return traced[key]
 
     training = config.training
-    result = Estimate(config=config, plan=plan, hardware=hardware, facts_in=facts_in,
-                      device_type=hardware.device_type, expert_load=expert_load, expert_load_peak=expert_load_peak,
-                      blocks=list(range(plan.model.n_layers)),
-                      microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps,
-                      # the core's mixed precision (a plugin providing its own sets the dtype in estimate_costs)
-                      compute_dtype=compute_dtype(training.compute_dtype, "training.compute_dtype",
-                                                  hardware.device_type))
     hooks = Hooks(registry, plan, config)
     if "optimizer" not in traced:
         traced["optimizer"] = optimizer_facts(functools.partial(hooks.first, "build_optimizer"), config)
     optimizer = traced["optimizer"]
-    result.optimizer_bytes, result.optimizer_state_bytes = optimizer.traffic, optimizer.state
-    # The largest group and tensor as this rank keeps them (of what trains: a frozen model's adapters).
-    result.optimizer_step_bytes = lambda e: optimizer.temporaries(
-        *(min(elements / (e.weight_split * e.state_shards), e.sharded_params() * e.trained_share)
-          for elements in (e.facts.largest_role, e.facts.largest_parameter)))
-    result.optimizer_operators = lambda e: optimizer.operators(e.facts.parameter_roles, e.facts.parameter_tensors)
-    # The core's own collective: the step's trained tokens, summed over every rank before the first forward.
-    result.add_collective("all-reduce of the step's trained tokens", tuple(plan.mesh_shape), 4, overlapped=False,
-                          plugin="core", calls=1)
-    result.add_memory("buffers", _logits_room, "the logits' room, left when an eager loss upcasts them: its float32 "
-                      "tensors are larger", "core", when="cached")
-    result.add_memory("activations", _weight_copies, "the weights' copies in the compute dtype, which autocast "
-                      "caches until the micro-batch's backward ends", "core")
-    result.add_memory("gradients", _whole_gradients_accumulated, "split weights' gradients kept whole across "
-                      "micro-batches", "core", when="accumulated")
-    for name in (p.name for p in plan.plugins):
-        if registry.implements(name, "estimate_costs"):
-            hooks.call(name, "estimate_costs", estimate=result, config=config)
-            result.counted.append(name)
-        else:
-            result.not_counted.append(name)
+
+    def costed(conversions: dict) -> Estimate:
+        """The model alone, then each enabled plugin's ``estimate_costs``, the model traced with ``conversions``."""
+        result = Estimate(config=config, plan=plan, hardware=hardware, facts_in=facts_in,
+                          trace_conversions=dict(conversions), device_type=hardware.device_type,
+                          expert_load=expert_load, expert_load_peak=expert_load_peak,
+                          blocks=list(range(plan.model.n_layers)),
+                          microbatch_rows=training.global_batch_size // plan.dp_size // training.grad_accum_steps,
+                          # the core's mixed precision (a plugin providing its own sets the dtype in estimate_costs)
+                          compute_dtype=compute_dtype(training.compute_dtype, "training.compute_dtype",
+                                                      hardware.device_type))
+        result.optimizer_bytes, result.optimizer_state_bytes = optimizer.traffic, optimizer.state
+        # The largest group and tensor as this rank keeps them (of what trains: a frozen model's adapters).
+        result.optimizer_step_bytes = lambda e: optimizer.temporaries(
+            *(min(elements / (e.weight_split * e.state_shards), e.sharded_params() * e.trained_share)
+              for elements in (e.facts.largest_role, e.facts.largest_parameter)))
+        result.optimizer_operators = lambda e: optimizer.operators(e.facts.parameter_roles, e.facts.parameter_tensors)
+        # The core's own collective: the step's trained tokens, summed over every rank before the first forward.
+        result.add_collective("all-reduce of the step's trained tokens", tuple(plan.mesh_shape), 4, overlapped=False,
+                              plugin="core", calls=1)
+        result.add_memory("buffers", _logits_room, "the logits' room, left when an eager loss upcasts them: its "
+                          "float32 tensors are larger", "core", when="cached")
+        result.add_memory("activations", _weight_copies, "the weights' copies in the compute dtype, which autocast "
+                          "caches until the micro-batch's backward ends", "core")
+        result.add_memory("gradients", _whole_gradients_accumulated, "split weights' gradients kept whole across "
+                          "micro-batches", "core", when="accumulated")
+        for name in (p.name for p in plan.plugins):
+            if registry.implements(name, "estimate_costs"):
+                hooks.call(name, "estimate_costs", estimate=result, config=config)
+                result.counted.append(name)
+            else:
+                result.not_counted.append(name)
+        return result
+
+    result = costed({})
+    if result.trace_conversions:
+        # Again, traced as converted from the first plugin on: one placed before the converting plugin read the
+        # facts of the model unconverted (tp's split of the activations, before lora's adapters joined them).
+        result = costed(result.trace_conversions)
     result.facts  # traced now, in the dtype the plugins chose, so that a model the trace cannot run fails here
     return result
 

@@ -199,6 +199,7 @@ class _Tracer(TorchDispatchMode):
         self.expert_saved = [0.0] * n_blocks
         self.in_experts = False  # an experts module runs: what autograd keeps now is theirs
         self.weight_casts = [0] * (n_blocks + 1)  # per block, and last outside the blocks
+        self.copies: list[torch.Tensor] = []
         # Every allocation and free in order, and where each block's forward and backward start and end.
         self.timeline: list[tuple[str, int, int]] = []
         self.ends_with_backward: set[int] = set()  # blocks whose inputs need no gradient
@@ -270,7 +271,9 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops[-1 if self.counting is None else self.counting] += 1
         if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.parameters:
-            # Autocast's copy of a weight in the compute dtype: a weight to the rest of the trace, whatever the tokens.
+            # Autocast's copy of a weight in the compute dtype: a weight to the rest of the trace, whatever the tokens
+            # (kept so that no later tensor takes its storage's address).
+            self.copies.append(out)
             copy = out.untyped_storage()
             self.parameters.add(copy._cdata)
             self.learned.add(copy._cdata)

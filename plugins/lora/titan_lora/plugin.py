@@ -104,6 +104,29 @@ def validate_options(config, options, plan) -> None:
                               f"targets {list(options.targets)}", "set plugins.lora.targets to the adapter's modules")
 
 
+def whole_factors(model, description, targets) -> tuple[int, int]:
+    """Of the adapted ``model``, the elements of the adapters' factors a split of their linears leaves whole
+    (``lora_A`` of a linear split by output features, ``lora_B`` of one split by input features), and how many
+    linears a block adapts (of the blocks that adapt most)."""
+    rowwise = set(description.tensor_parallel.block_rowwise) if description.tensor_parallel else set()
+    elements, blocks = 0, {}
+    for path in target_paths(description, targets):
+        for name, linear in chosen_linears(model, description, (path,)).items():
+            elements += (linear.lora_B if path in rowwise else linear.lora_A).weight.numel()
+            block = name[:-len(path)]
+            blocks[block] = blocks.get(block, 0) + 1
+    return elements, max(blocks.values(), default=0)
+
+
+def whole_low_rank_inputs(estimate, per_block: int, rank: int) -> float:
+    """What the blocks keep of the adapters' low-rank inputs beyond the split share the trace's figures give them
+    (each is whole on every rank), and the same of a block that recomputes them in backward."""
+    kept = [estimate.kept(i) / estimate.saved(i) if estimate.saved(i) else 0.0 for i in estimate.blocks]
+    blocks = sum(kept) + max((1 - share for share in kept), default=0.0)
+    return (estimate.microbatch_tokens * blocks * per_block * rank * estimate.compute_dtype.itemsize
+            * (1 - 1 / estimate.activation_split))
+
+
 def adapt(model, plugin_config, plan) -> set[str]:
     """Freeze every weight of ``model`` (those of matmuls in bfloat16 if asked) and give the chosen linears and
     expert stacks their adapters, in place; the names of the modules adapted."""
@@ -141,12 +164,17 @@ class LoraPlugin:
     @hookimpl
     def estimate_costs(self, estimate, config, plugin_config, plan):
         """lora: only the adapters train: gradients and optimizer states for their share of the model's size; the
-        model traced frozen, with its adapters."""
+        model traced frozen, with its adapters; under a split of the linears (tensor parallel), each adapter's
+        factor left whole on every rank, and its low-rank input, which that factor makes."""
         model = build_meta_model(config, plan.model)
         narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model))  # before the adapters join them
         adapt(model, plugin_config, plan)
         every = sum(p.numel() for p in model.parameters())
-        estimate.trained_share = sum(p.numel() for p in model.parameters() if p.requires_grad) / every
+        whole, per_block = whole_factors(model, plan.model, plugin_config.targets)
+        split = estimate.weight_split  # tensor parallel's, set before this plugin's stage
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # Each rank trains its share of the split factors and all of the whole ones.
+        estimate.trained_share = (trained + whole * (split - 1)) / every
         # The model is traced as this plugin converts it: a frozen weight's matmul keeps no input for its gradient,
         # a frozen norm no normalized input; each adapter keeps its own.
         estimate.trace_conversions[f"lora {plugin_config}"] = functools.partial(adapt, plugin_config=plugin_config,
@@ -154,6 +182,12 @@ class LoraPlugin:
         if plugin_config.base_dtype == "bfloat16":
             estimate.add_memory("parameters", lambda e: -2 * narrow / every * e.sharded_params(),
                                 "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora", when="held")
+        if split > 1:
+            estimate.add_memory("parameters", lambda e: 4 * whole * (1 - 1 / split) / e.state_shards,
+                                "the adapters' factors whole on every tensor-parallel rank", "lora", when="held")
+            estimate.add_memory("activations", functools.partial(whole_low_rank_inputs, per_block=per_block,
+                                                                 rank=plugin_config.rank),
+                                "the adapters' low-rank inputs, whole on every tensor-parallel rank", "lora")
 
     @hookimpl
     def convert_modules(self, model, plugin_config, plan):
