@@ -362,8 +362,8 @@ def test_a_compiled_loss_holds_what_the_planner_counts():
     assert measuring.returncode == 0, measuring.stderr[-3000:]
     measured = json.loads(measuring.stdout.splitlines()[-1])
     _, estimate = job_estimate([*SMALL, "launch.device=cpu", "+plugins=[compile]", "plugins.compile.compile_loss=true"])
-    assert estimate.facts is estimate.facts_in(estimate.compute_dtype).with_fused_loss  # what the peak reads
-    eager = estimate.facts_in(torch.bfloat16)
+    eager = estimate.facts_in(estimate.compute_dtype, {}, estimate.autocasts)
+    assert estimate.compute_dtype == torch.bfloat16 and estimate.facts is eager.with_fused_loss  # what the peak reads
     fused = eager.with_fused_loss
     for facts, holds in ((eager, measured["eager"]), (fused, measured["compiled"])):
         print(f"kept {holds['kept']:.3f} (planned {facts.outer_logits / facts.output:.3f}), backward "

@@ -174,9 +174,10 @@ class _Tracer(TorchDispatchMode):
 
     active: _Tracer | None = None
 
-    def __init__(self, positions: int, parameters: set[int], buffers: set[int], n_blocks: int):
+    def __init__(self, positions: int, parameters: set[int], buffers: set[int], n_blocks: int, autocast: bool):
         super().__init__()
         self.positions, self.parameters, self.learned = positions, parameters, parameters | buffers
+        self.autocast = autocast  # the weights' copies are autocast's, held whatever the tokens
         self.block: int | None = None  # the block running, None outside the blocks
         self.counting: int | None = None  # the block whose forward or backward runs, None outside the blocks
         self.ops = [0] * (n_blocks + 1)  # per block, and last the operators outside the blocks
@@ -270,7 +271,8 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops[-1 if self.counting is None else self.counting] += 1
-        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.parameters:
+        if (self.autocast and func is torch.ops.aten._to_copy.default
+                and args[0].untyped_storage()._cdata in self.parameters):
             # Autocast's copy of a weight in the compute dtype: a weight to the rest of the trace, whatever the tokens
             # (kept so that no later tensor takes its storage's address).
             self.copies.append(out)
@@ -452,7 +454,8 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
     if not autocast:
         model.to(dtype)
     blocks = list(description.blocks_of(model).values()) if description.blocks else []
-    tracer = _Tracer(min(TRACE_TOKENS, seq_len), _storages(model.parameters()), _storages(model.buffers()), len(blocks))
+    tracer = _Tracer(min(TRACE_TOKENS, seq_len), _storages(model.parameters()), _storages(model.buffers()), len(blocks),
+                     autocast)
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(functools.partial(tracer.enter, index))
         block.register_forward_hook(tracer.leave)
