@@ -1896,7 +1896,6 @@ def test_selective_checkpointing_of_a_frozen_model_keeps_more_than_autograd_alon
     assert abs(sum(result.memory().values()) / measured - 1) < 0.01
 
 
-
 @pytest.mark.parametrize("overrides, within, under", [
     (("training.seq_len=256",), 0.01, 0.08), (("+plugins=[ac]", "plugins.ac.mode=full"), 0.02, 0.09),
     (("+plugins=[tp]", "plugins.tp.degree=2"), 0.03, 0.09), (("+plugins=[float8]",), 0.03, 0.04),
@@ -1913,12 +1912,14 @@ def test_the_cores_autocast_is_traced_with_float32_weights_and_their_cached_copi
     assert result.autocasts and sum(result.facts.block_weight_casts) > 0
     copies = _term(result, "the weights' copies")
     assert (copies == result.facts.outer_weight_casts) == ("float8" in str(overrides))  # its output layer's alone
-    as_weights = dataclasses.replace(result, facts_in=lambda dtype, conversions, autocast: result.facts_in(
-        dtype, conversions), memory_terms=[t for t in result.memory_terms if not t[1].startswith("the weights' copies")])
+    as_weights = dataclasses.replace(
+        result, facts_in=lambda dtype, conversions, autocast: result.facts_in(dtype, conversions),
+        memory_terms=[t for t in result.memory_terms if not t[1].startswith("the weights' copies")])
     error, before = (sum(e.memory().values()) / measured - 1 for e in (result, as_weights))
     print(f"{error:+.1%} (bfloat16 weights: {before:+.1%})")
     assert abs(error) < within
     assert before < -under
+
 
 # Written from docs/writing-plugins.md's paragraph on the estimate's properties: a plugin freezing modules as it
 # converts them registers the same conversion for the planner's trace.

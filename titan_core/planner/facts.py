@@ -436,14 +436,12 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
     with ``documents``, its forward given document ids as a job masking by document gives them; with
     ``autocast``, its weights left float32 and its forward run under autocast to ``dtype``, as the core's step
     runs it without a plugin providing mixed precision."""
-    if not autocast:
-        return _traced_facts(description, build, dtype, seq_len, documents, autocast=False, device="meta")
-    with FakeTensorMode():
-        return _traced_facts(description, build, dtype, seq_len, documents, autocast=True, device="cpu")
+    with FakeTensorMode() if autocast else contextlib.nullcontext():
+        return _traced_facts(description, build, dtype, seq_len, documents, autocast)
 
 
-def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, documents: bool, autocast: bool,
-                  device: str) -> ModelFacts:
+def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, documents: bool, autocast: bool) -> ModelFacts:
+    device = "cpu" if autocast else "meta"  # fake CPU tensors under autocast
     with torch.device(device):
         model = build(description=description)
     buffer_bytes = sum(_nbytes(b) for b in model.buffers())
