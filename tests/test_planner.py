@@ -162,10 +162,12 @@ def test_float8s_casts_move_the_rooflines_bytes_of_the_linears_it_converts(recip
     """What float8 adds to a step's memory traffic is torchao's roofline count for its recipe (bytes per element of
     each linear's input, output gradient and weight) over the linears the plugin converts, found among the
     modules of the converted model: their features per token, their weights per micro-batch, cast on the rank's
-    FSDP shard with float8 all-gathers. The trace's count of each block's linears is what this sums."""
+    FSDP shard with float8 all-gathers; rowwise's backward matmuls also read and write their outputs (the input's
+    and the weight's gradients) once more, to scale them. The trace's count of each block's linears is what this
+    sums."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from titan_float8.plugin import CAST_BYTES, convert_modules
+    from titan_float8.plugin import CAST_BYTES, RESCALED_OUTPUT_BYTES, convert_modules
 
     config, _, plan, result = _estimate("launch.world_size=2", "+plugins=[fsdp,float8]", "training.grad_accum_steps=2",
                                         f"plugins.float8.recipe={recipe}",
@@ -175,9 +177,11 @@ def test_float8s_casts_move_the_rooflines_bytes_of_the_linears_it_converts(recip
     converted = [module for module in model.modules() if isinstance(module, Float8Linear)]
     assert len(converted) == 7 * plan.model.n_layers  # every block's linears, not the output layer
     inputs, gradients, weights = CAST_BYTES[recipe]
+    rescaled = RESCALED_OUTPUT_BYTES.get(recipe, 0)
+    assert (rescaled > 0) == (recipe == "rowwise")
     tokens = config.training.global_batch_size * config.training.seq_len / 2  # this rank's, over 2 micro-batches
-    expected = (tokens * sum(inputs * m.in_features + gradients * m.out_features for m in converted)
-                + 2 * weights * sum(m.weight.numel() for m in converted) / (2 if all_gather else 1))
+    expected = (tokens * sum((inputs + rescaled) * m.in_features + gradients * m.out_features for m in converted)
+                + 2 * (weights / (2 if all_gather else 1) + rescaled) * sum(m.weight.numel() for m in converted))
     (what, nbytes, plugin), = result.traffic_terms
     assert plugin == "float8" and recipe in what
     assert evaluated(nbytes, result) == pytest.approx(expected, rel=1e-6)
@@ -1882,6 +1886,19 @@ def test_tensor_parallel_leaves_each_lora_factor_it_does_not_split_whole(overrid
     print(f"{error:+.1%} (every factor split: {before:+.1%})")
     assert abs(error) < within
     assert before < error - 0.02
+
+
+def test_each_pipeline_rank_holds_the_whole_lora_factors_of_its_own_blocks():
+    """Under tp 2 x pp 2 each stage holds half the blocks, and of the adapters' factors tp leaves whole only its
+    own blocks' (the tiny Llama's blocks, width 64, rank 8: lora_A of wq, wk, wv, w1 and w3, lora_B of wo and w2,
+    8 x 64 each): what each rank holds beyond its split share, half of them; until 2026-12-02 every stage was priced
+    with the whole model's, twice that."""
+    config, registry, plan, result = _estimate("launch.device=cpu", "+plugins=[tp,pp,lora]", "plugins.tp.degree=2",
+                                               "plugins.pp.degree=2", "plugins.lora.rank=8")
+    ranks = result.each_rank()
+    per_block = 7 * 8 * 64
+    assert [sorted(r.blocks) for r in ranks] == [[0, 1], [2, 3]]
+    assert [_term(r, "the adapters' factors whole") for r in ranks] == [4 * 2 * per_block * (1 - 1 / 2)] * 2
 
 
 def test_selective_checkpointing_of_a_frozen_model_keeps_more_than_autograd_alone():

@@ -29,6 +29,10 @@ MXFP8_NEEDS_TRITON = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")  # torchao's C
 # along the dimension its matmul sums over, so backward transposes in bf16 and casts again.
 CAST_BYTES = {"tensorwise": (6, 6, 8), "rowwise": (8, 8, 10), "rowwise_with_gw_hp": (3, 3, 6)}
 MXFP8_CAST_BYTES = (6, 6, 6)
+# Rowwise's backward matmuls accumulate at full precision, where torchao runs the tensorwise kernel unscaled and
+# scales its output in a kernel of its own (torchao/float8/float8_ops.py, addmm_float8_unwrapped; torchao issue
+# 2184): each reads and writes its bf16 output once more, the input's gradient and the weight's.
+RESCALED_OUTPUT_BYTES = {"rowwise": 4}
 # Module conversions run in stage order: float8 replaces whole linears, so it goes before any conversion at a
 # later stage that hangs modules on them (LoRA's adapters, 210), which a replacement would drop.
 STAGE = 150
@@ -152,15 +156,17 @@ def estimate_costs(estimate, plugin_config, plan):
         share = min(linear, 1.0) * (2 / 3 if plugin_config.recipe == "rowwise_with_gw_hp" else 1)
         estimate.matmul_speedup /= (1 - share) + share * hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
     inputs, gradients, weights = CAST_BYTES.get(plugin_config.recipe, MXFP8_CAST_BYTES)
+    rescaled = RESCALED_OUTPUT_BYTES.get(plugin_config.recipe, 0)
     gathered_cast = not plugin_config.fsdp_float8_all_gather
     estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
 
     def cast_bytes(e):
         facts, microbatches = e.facts, e.microbatches_per_step()
-        activations = sum(inputs * facts.block_linear_inputs[i] + gradients * facts.block_linear_outputs[i]
+        activations = sum((inputs + rescaled) * facts.block_linear_inputs[i] + gradients * facts.block_linear_outputs[i]
                           for i in e.blocks) * e.microbatch_tokens / e.activation_split
         linear_weights = sum(facts.block_linear_weights[i] for i in e.blocks) / e.weight_split
-        return (activations + weights * linear_weights / (1 if gathered_cast else e.state_shards)) * microbatches
+        casts = weights * linear_weights / (1 if gathered_cast else e.state_shards)
+        return (activations + casts + rescaled * linear_weights) * microbatches
     estimate.add_traffic(cast_bytes, f"casts to float8 ({plugin_config.recipe})", "float8")
     if plugin_config.fsdp_float8_all_gather:
         estimate.gather_bytes = 1

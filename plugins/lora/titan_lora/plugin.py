@@ -104,18 +104,20 @@ def validate_options(config, options, plan) -> None:
                               f"targets {list(options.targets)}", "set plugins.lora.targets to the adapter's modules")
 
 
-def whole_factors(model, description, targets) -> tuple[int, int]:
-    """Of the adapted ``model``, the elements of the adapters' factors a split of their linears leaves whole
-    (``lora_A`` of a linear split by output features, ``lora_B`` of one split by input features), and how many
-    linears a block adapts (of the blocks that adapt most)."""
+def whole_factors(model, description, targets) -> tuple[list[int], int]:
+    """Of the adapted ``model``, block by block, the elements of the adapters' factors a split of their linears
+    leaves whole (``lora_A`` of a linear split by output features, ``lora_B`` of one split by input features), and
+    how many linears a block adapts (of the blocks that adapt most)."""
     rowwise = set(description.tensor_parallel.block_rowwise) if description.tensor_parallel else set()
-    elements, blocks = 0, {}
+    blocks = {f"{description.blocks}.{index}.": position
+              for position, index in enumerate(description.blocks_of(model))}
+    elements, linears = [0] * len(blocks), [0] * len(blocks)
     for path in target_paths(description, targets):
         for name, linear in chosen_linears(model, description, (path,)).items():
-            elements += (linear.lora_B if path in rowwise else linear.lora_A).weight.numel()
-            block = name[:-len(path)]
-            blocks[block] = blocks.get(block, 0) + 1
-    return elements, max(blocks.values(), default=0)
+            position = blocks[name[:-len(path)]]
+            elements[position] += (linear.lora_B if path in rowwise else linear.lora_A).weight.numel()
+            linears[position] += 1
+    return elements, max(linears, default=0)
 
 
 def whole_low_rank_inputs(estimate, per_block: int, rank: int) -> float:
@@ -174,7 +176,7 @@ class LoraPlugin:
         split = estimate.weight_split  # tensor parallel's, set before this plugin's stage
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # Each rank trains its share of the split factors and all of the whole ones.
-        estimate.trained_share = (trained + whole * (split - 1)) / every
+        estimate.trained_share = (trained + sum(whole) * (split - 1)) / every
         # The model is traced as this plugin converts it: a frozen weight's matmul keeps no input for its gradient,
         # a frozen norm no normalized input; each adapter keeps its own.
         estimate.trace_conversions[f"lora {plugin_config}"] = functools.partial(adapt, plugin_config=plugin_config,
@@ -183,7 +185,9 @@ class LoraPlugin:
             estimate.add_memory("parameters", lambda e: -2 * narrow / every * e.sharded_params(),
                                 "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora", when="held")
         if split > 1:
-            estimate.add_memory("parameters", lambda e: 4 * whole * (1 - 1 / split) / e.state_shards,
+            # A pipeline rank holds its own blocks' factors.
+            estimate.add_memory("parameters", lambda e: 4 * sum(whole[i] for i in e.blocks) * (1 - 1 / split)
+                                / e.state_shards,
                                 "the adapters' factors whole on every tensor-parallel rank", "lora", when="held")
             estimate.add_memory("activations", functools.partial(whole_low_rank_inputs, per_block=per_block,
                                                                  rank=plugin_config.rank),
