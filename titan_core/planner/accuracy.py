@@ -31,7 +31,7 @@ class ErrorBand:
                 f"{self.speed_worst:+.0%}")
 
 
-# bench/planner_vs_seeds.py, 2026-11-29: published runs per card (each card's efficiency set from one or two of
+# bench/planner_vs_seeds.py, 2026-12-02: published runs per card (each card's efficiency set from one or two of
 # them, named in titan_core/planner/hardware.py).
 _H100 = ErrorBand("20 published Llama 3 runs on H100s, bench/planner_vs_seeds.py", 0.054, -0.176, 0.090, 0.255)
 _BY_PROFILE = {

@@ -72,13 +72,14 @@ def chosen_experts(model: nn.Module, description: ModelDescription) -> dict[str,
 
 def chosen_linears(model: nn.Module, description: ModelDescription, paths) -> dict[str, nn.Linear]:
     """The linears to adapt, by name from the root (a block without one, or a stage without the block, has none)."""
-    found = {}
-    for index, block in attribute(model, description.blocks).items():
-        for path in paths:
-            linear = optional_attribute(block, path)
-            if isinstance(linear, nn.Linear):
-                found[f"{description.blocks}.{index}.{path}"] = linear
-    return found
+    return {f"{description.blocks}.{index}.{path}": linear
+            for index, block in attribute(model, description.blocks).items()
+            for path, linear in block_linears(block, paths).items()}
+
+
+def block_linears(block: nn.Module, paths) -> dict[str, nn.Linear]:
+    """The linears to adapt of one block, by path within it."""
+    return {path: linear for path in paths if isinstance(linear := optional_attribute(block, path), nn.Linear)}
 
 
 def optional_attribute(root: nn.Module, path: str):

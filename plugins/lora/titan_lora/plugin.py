@@ -31,9 +31,9 @@ from safetensors import safe_open
 from titan_core import MIXED_PRECISION, TP, ConfigError, Declaration, build_meta_model, canonical_name, compute_dtype, \
     device_kind, hookimpl, lacks, local_box, text_or_null
 
-from titan_lora.adapters import EXPERTS, FIELD, ROLES, add_adapter, add_expert_adapters, adapters, chosen_experts, \
-    chosen_linears, every_factor, expert_adapters, expert_stacks, frozen_matmul_weights, initialize, scale, \
-    split_like_base, target_paths
+from titan_lora.adapters import EXPERTS, FIELD, ROLES, add_adapter, add_expert_adapters, adapters, block_linears, \
+    chosen_experts, chosen_linears, every_factor, expert_adapters, expert_stacks, frozen_matmul_weights, initialize, \
+    scale, split_like_base, target_paths
 from titan_lora.peft_format import check_peft_config, export_peft, peft_name, peft_stack_name, read_peft, \
     read_peft_config
 
@@ -109,15 +109,11 @@ def whole_factors(model, description, targets) -> tuple[list[int], int]:
     leaves whole (``lora_A`` of a linear split by output features, ``lora_B`` of one split by input features), and
     how many linears a block adapts (of the blocks that adapt most)."""
     rowwise = set(description.tensor_parallel.block_rowwise) if description.tensor_parallel else set()
-    blocks = {f"{description.blocks}.{index}.": position
-              for position, index in enumerate(description.blocks_of(model))}
-    elements, linears = [0] * len(blocks), [0] * len(blocks)
-    for path in target_paths(description, targets):
-        for name, linear in chosen_linears(model, description, (path,)).items():
-            position = blocks[name[:-len(path)]]
-            elements[position] += (linear.lora_B if path in rowwise else linear.lora_A).weight.numel()
-            linears[position] += 1
-    return elements, max(linears, default=0)
+    paths = target_paths(description, targets)
+    chosen = [block_linears(block, paths) for block in description.blocks_of(model).values()]
+    elements = [sum((linear.lora_B if path in rowwise else linear.lora_A).weight.numel()
+                    for path, linear in linears.items()) for linears in chosen]
+    return elements, max((len(linears) for linears in chosen), default=0)
 
 
 def whole_low_rank_inputs(estimate, per_block: int, rank: int) -> float:
