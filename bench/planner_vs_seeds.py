@@ -15,6 +15,7 @@ import time
 
 from titan_core.planner.cli import job_estimate
 from titan_core.planner.estimate import GIB
+from titan_core.planner.hardware import hardware_profile
 
 HARDWARE = "h100_sxm_96gb"
 FLOAT8 = "plugins.float8.fsdp_float8_all_gather=true"
@@ -69,6 +70,15 @@ ROWS = [  # (table, row, overrides, published TPS/GPU, published memory GiB)
 # only; H100, MI300X: pytorch/ao torchao/float8/README.md @9519beb, "Training benchmarks" (8 GPUs, compile,
 # per-op selective checkpointing; PR #2736 for MI300X); H200: pytorch/torchtitan
 # benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (4 and 8 nodes, 2 sequences a GPU, float8).
+# The seeds' H100s (h100_sxm_96gb, TorchTitan's Grand Teton hosts), beyond the seeds' tables, tokens/s/GPU only:
+# Llama 3.1 405B on 128 GPUs, FSDP 16 x TP 8, 2 sequences a data-parallel rank, full checkpointing, compile (the
+# 405B preset of then), pytorch/torchtitan docs/performance.md @3faaa1a (August 2024; the row with AsyncTP left
+# out: it cannot be configured here); Llama 3 70B on 256 GPUs (FSDP 32 x TP 8, 16 sequences a data-parallel rank,
+# full checkpointing) and 8B on 64 (FSDP 8 x TP 8, 12 sequences, per-op selective checkpointing), compile, TP
+# without AsyncTP, pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (June 2025; their loss
+# was compiled, which the compile plugin refuses under tensor parallel: planned eager; float8 with FSDP's bf16
+# all-gathers, their presets' default). TorchTitan's tensorwise float8 gathered sequence parallel's inputs in
+# float8 (Float8ColwiseParallel), titan-core's in bf16.
 # Memory is the peak reserved by the caching allocator, as TorchTitan logs it.
 # TorchTitan compiled its loss with its blocks (`training.compile`) until 2024-12-18 (e8977b0 turned that off: the
 # seeds' tables, 9dec370, and torchao's H100 rows of 2025-03-12 ran it eager) and again from 2025-04-02 (bbb1b61,
@@ -99,7 +109,20 @@ CARDS = [  # (card's profile, source and job, overrides, published TPS/GPU, publ
                                                               LOSS_COMPILED), 10938, 47.96),
     ("h200", "torchtitan H200: 8B, 64 GPUs, float8", job("8B", 64, 8192, 128, ["fsdp", "compile", "float8"], FLOAT8,
                                                               LOSS_COMPILED), 10753, 46.97),
+    *[(HARDWARE, f"torchtitan H100: 405B, 128 GPUs, FSDP 16, TP 8, {kind}",
+       job("405B", 128, 8192, 32, ["fsdp", "tp", "compile", *extra], *flags, "plugins.tp.degree=8", ac="full"), tps, None)
+      for kind, extra, flags, tps in (("bf16", [], [], 109), ("float8", ["float8"], [FLOAT8], 177))],
+    *[(HARDWARE, f"torchtitan H100: {model}, {world} GPUs, FSDP {world // 8}, TP 8, {kind}",
+       job(model, world, 8192, world // 8 * rows, ["fsdp", "tp", "compile", *extra], *flags, "plugins.tp.degree=8",
+           ac=ac), tps, None)
+      for model, world, rows, ac, runs in (("70B", 256, 16, "full", (597.3, 809.8, 599.6)),
+                                           ("8B", 64, 12, "selective_op", (4378, 5078.1, 3708.5)))
+      for (kind, extra, flags), tps in zip((("bf16", [], []), ("float8 tensorwise", ["float8"], []),
+                                            ("float8 rowwise", ["float8"], ["plugins.float8.recipe=rowwise"])), runs)],
 ]
+# Published as out of memory: TorchTitan's 405B on 128 H100s with FSDP alone (docs/performance.md @3faaa1a).
+OUT_OF_MEMORY = [(HARDWARE, "torchtitan H100: 405B, 128 GPUs, FSDP 128, bf16",
+                  job("405B", 128, 8192, 256, ["fsdp", "compile"], ac="full"))]
 
 
 def predicted(overrides: list[str], hardware: str = HARDWARE) -> tuple[float, float, float]:
@@ -146,6 +169,12 @@ def main() -> None:
     print("\nOther published runs, other cards:\n")
     cards = table(CARDS)
     summary(cards)
+    print("\nPublished as out of memory:\n")
+    for card, name, overrides in OUT_OF_MEMORY:
+        _, allocated, reserved = predicted(overrides, card)
+        usable = hardware_profile(card).usable_gib
+        print(f"{name}: {allocated:.1f} GiB allocated, {'does not fit' if allocated > usable else 'FITS'} in "
+              f"{usable:.1f}")
     print("\nEvery H100 row, and every row of every card:\n")
     by_card = [seeds, cards]
     summary({"h100": {what: [v for errors in by_card for card, kinds in errors.items() if card.startswith("h100")

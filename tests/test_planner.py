@@ -216,10 +216,18 @@ def test_a_mixture_of_experts_is_planned_within_2_percent_of_torchs_tracker_at_t
     ("+plugins=[fsdp,tp]", "plugins.fsdp.degree=2", "plugins.tp.degree=2"),
     ("+plugins=[simplefsdp]", "plugins.simplefsdp.degree=2", "plugins.simplefsdp.replicate_degree=2",
      "training.grad_accum_steps=2"),
-], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "fsdp-grad-accum-reduce-last", "hsdp", "fsdp-tp", "simplefsdp"])
+    ("+plugins=[tp,ac]", "plugins.tp.degree=2", "plugins.ac.mode=full"),
+    ("+plugins=[tp,ac]", "plugins.tp.degree=2", "plugins.ac.mode=selective_op", "plugins.ac.matmuls=every_other"),
+    ("+plugins=[tp,ac]", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false", "plugins.ac.mode=full"),
+    ("+plugins=[fsdp,tp,ac]", "plugins.fsdp.degree=2", "plugins.tp.degree=2", "plugins.ac.mode=selective_layer",
+     "plugins.ac.every=2"),
+], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "fsdp-grad-accum-reduce-last", "hsdp", "fsdp-tp", "simplefsdp",
+        "tp-full-ac", "tp-selective-ac", "tp-no-sp-full-ac", "fsdp-tp-every-2nd-block"])
 def test_collective_calls_are_those_torch_issues(overrides):
-    """Each call pays the link's latency: a plugin's stated calls per step are those its rank 0 issues. (Context
-    parallel's ring exchanges do not reach the dispatcher on a fake process group: cp is not checked here.)"""
+    """Each call pays the link's latency: a plugin's stated calls per step are those its rank 0 issues, a
+    checkpointed block's again as it recomputes (tp's three calls of the four its forward makes with sequence
+    parallel, one of two without: uncounted before). (Context parallel's ring exchanges do not reach the
+    dispatcher on a fake process group: cp is not checked here.)"""
     config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
@@ -828,6 +836,30 @@ def test_expert_parallel_calls_are_those_its_ranks_issue(ac, repeated, tmp_path)
                            timeout=300, capture_output=True, text=True)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     for rank in range(2):
+        issued = json.loads((tmp_path / f"rank{rank}.json").read_text())["calls"]
+        assert sum(result.collective_calls(c) for c in result.collectives) == issued, (rank, issued)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, overrides", [
+    (2, ("plugins.ac.mode=full",)),
+    (2, ("plugins.ac.mode=selective_op",)),
+    (2, ("plugins.ac.mode=selective_op", "training.attention_mask=block_causal")),
+    (4, ("plugins.ac.mode=full", "plugins.cp.rotate_method=alltoall")),
+], ids=["ring-full-ac", "ring-selective-ac", "documents-selective-ac", "ring-alltoall-4-full-ac"])
+def test_context_parallel_calls_are_those_its_ranks_issue(world, overrides, tmp_path):
+    """cp on a real world of ``world`` ranks, each counting what it issues (torch's ring exchanges too, issued out
+    of a dispatch mode's sight): the ring's gradients travel in ``degree`` exchanges, and a block that recomputes
+    its attention exchanges its keys and values again (selective checkpointing keeps attention's results); masked
+    attention gathers keys, values, positions and document ids, again as a block recomputes, and reduce-scatters
+    the gradients (before: 3 calls per block and micro-batch, 4 to 8 issued here)."""
+    overrides = (*SMALL, "launch.device=cpu", f"launch.world_size={world}", f"plugins.cp.degree={world}",
+                 "+plugins=[cp,ac]", *overrides)
+    config, registry, plan, result = _estimate(*overrides)
+    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(world), str(tmp_path), "--calls", *overrides],
+                           timeout=300, capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    for rank in range(world):
         issued = json.loads((tmp_path / f"rank{rank}.json").read_text())["calls"]
         assert sum(result.collective_calls(c) for c in result.collectives) == issued, (rank, issued)
 

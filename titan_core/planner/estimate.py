@@ -103,7 +103,8 @@ class Estimate:
     function of the estimate),
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
-    block recomputes in backward what it did not keep), ``expert_load`` (rows the busiest rank's experts compute
+    block recomputes in backward what it did not keep), ``attention_kept`` (a block that recomputes keeps its
+    attention's results, which it does not run again: selective checkpointing that saves attention), ``expert_load`` (rows the busiest rank's experts compute
     per token copy it routes, 1 when evenly routed: the busiest rank's experts compute that much more; a run
     logs it as ``expert_rank_load_max``, the plan command takes it as ``--expert-load``), ``expert_load_peak``
     (the same over the busiest micro-batch, which a step's memory peak meets: its experts keep that much more;
@@ -169,6 +170,7 @@ class Estimate:
     fused_loss: bool = False
     output_kept: float | Callable[[Estimate], float] = 0.0
     keep: Callable[[int, float, float], float] = lambda index, saved, stream: saved
+    attention_kept: bool = False
     expert_load: float = 1.0
     expert_load_peak: float | None = None
     expert_copies_held: float = 0.0
@@ -380,6 +382,11 @@ class Estimate:
         """Whether block ``index`` runs its forward again in backward: a plugin whose forward exchanges data pays
         that exchange again."""
         return self.recomputed(index) > 0
+
+    def recomputes_attention(self, index: int) -> bool:
+        """Whether block ``index`` runs its attention again in backward: a plugin whose attention exchanges data
+        pays that exchange again."""
+        return self.recomputes(index) and not self.attention_kept
 
     def kept_per_token(self) -> float:
         """Activation bytes per token of one micro-batch this rank keeps until its backward."""

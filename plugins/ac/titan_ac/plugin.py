@@ -125,6 +125,7 @@ def estimate_costs(estimate, plugin_config, plan):
         # without checkpointing where autograd keeps little (a frozen model's: LoRA's, tracked 13% more).
         estimate.keep = lambda index, saved, stream: (
             stream + estimate.facts.made_by(index, ops, alternate) / estimate.activation_split)
+        estimate.attention_kept = "attention" in ops
         # Backward runs again the matrix products whose results it did not keep (every_other's, the experts'),
         # and the elementwise ops: their FLOPs are negligible, their memory traffic is not.
         facts = estimate.facts

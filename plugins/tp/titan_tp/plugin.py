@@ -271,8 +271,9 @@ def estimate_costs(estimate, plugin_config, plan):
     """tp: every weight split over the tp ranks, the blocks' activations too (but the linears' gathered
     inputs, and without sequence parallel all that has the stream's shape), the logits under loss parallel; the
     embedding's whole gradient in its backward; per block and micro-batch, two all-gathers and two
-    reduce-scatters of the residual stream (or two all-reduces) in each of forward and backward, which the step
-    waits for (AsyncTP hides them behind the matmuls); DTensor's host time per operator."""
+    reduce-scatters of the residual stream (or two all-reduces) in each of forward and backward, and a checkpointed
+    block's again as it recomputes, which the step waits for (AsyncTP hides them behind the matmuls); DTensor's host
+    time per operator."""
     degree = plan.degree(TP)
     estimate.weight_split *= degree
     # Kept whole on every rank: what has the residual stream's shape without sequence parallel (norms, sums),
@@ -322,12 +323,20 @@ def estimate_costs(estimate, plugin_config, plan):
     per_block, outer = (11, 4) if plugin_config.sequence_parallel else (7, 2)
     if plugin_config.sequence_parallel and plan.provides(DATA_PARALLEL_SHARDING):
         per_block, outer = per_block + 2, outer + 1
+    # A checkpointed block runs its forward again in backward, collectives included, up to the last result its
+    # backward needs (torch's early stop): the two gathers and the attention's reduce-scatter, or the attention's
+    # all-reduce; the block's last reduction makes its output, which nothing needs (counted by tests/test_planner.py).
+    # The stream's size moved per call: a gather or a reduce-scatter moves one, an all-reduce two.
+    rerun_calls, rerun_streams = (3, 3) if plugin_config.sequence_parallel else (1, 2)
+
+    def recomputing(e) -> int:
+        return sum(e.recomputes(i) for i in e.blocks)
     estimate.add_collective(
         "residual stream gathered and reduced", (TP,),
-        lambda e: 8 * len(e.blocks) * e.facts.block_input * e.microbatch_tokens * e.microbatches_per_step()
-        * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp",
-        calls=lambda e: (per_block * len(e.blocks) + outer * (e.holds_inputs or e.holds_outputs))
-        * e.microbatches_per_step())
+        lambda e: (8 * len(e.blocks) + rerun_streams * recomputing(e)) * e.facts.block_input * e.microbatch_tokens
+        * e.microbatches_per_step() * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp",
+        calls=lambda e: (per_block * len(e.blocks) + rerun_calls * recomputing(e)
+                         + outer * (e.holds_inputs or e.holds_outputs)) * e.microbatches_per_step())
 
 
 @hookimpl
