@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_tensor, all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single, all_gather_tensor_autograd
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import context_parallel
 
@@ -121,9 +121,9 @@ def gathered_attention(group, token_positions: torch.Tensor):
     def attend(q, k, v, document_ids, window, sinks):
         keys = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group)
         values = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group)
-        key_positions = all_gather_tensor(token_positions, gather_dim=0, group=group)
+        key_positions = all_gather_single(token_positions, gather_dim=0, group=group)
         key_documents = (None if document_ids is None
-                         else all_gather_tensor(document_ids.contiguous(), gather_dim=1, group=group))
+                         else all_gather_single(document_ids.contiguous(), gather_dim=1, group=group))
         # Made once a micro-batch for its blocks (by window), which then keep one between them.
         mask = shared_mask(token_positions if document_ids is None else document_ids, (window,),
                            lambda: attention_mask(token_positions, key_positions, document_ids, key_documents, window),
