@@ -188,6 +188,31 @@ def test_float8s_casts_move_the_rooflines_bytes_of_the_linears_it_converts(recip
 
 
 @pytest.mark.parametrize("overrides", [
+    ("+plugins=[tp,float8]", "plugins.tp.degree=2"),
+    ("+plugins=[tp,float8]", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false"),
+    ("+plugins=[fsdp,tp,float8]", "plugins.fsdp.degree=2", "plugins.tp.degree=2", "model=qwen3_tiny"),
+], ids=["tp", "tp-no-sp", "fsdp-tp-qwen3"])
+def test_each_linear_computes_on_what_the_planner_says_under_tensor_parallel(overrides):
+    """Each linear of a real step (rank 0 on a fake group) computes on its input and makes its result at the sizes
+    ``Estimate.rank_linears`` gives, which float8 casts: a column-wise linear's input whole (sequence parallel
+    gathers it) and its result split, a row-wise linear's input split and its result whole (a partial sum). float8
+    used to divide every linear's input and result by the blocks' blended activation split (1.56 here: a
+    column-wise input counted 1.56 times too small, a row-wise one 1.28 times too large; Llama 3 8B with tp 8, 5.24:
+    rowwise's casts a step 2.26 times what was counted)."""
+    config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        measured = tracked_rank.linear_elements(config, registry, plan)
+    finally:
+        dist.destroy_process_group()
+    planned = {(i, path): (linear.inputs * result.microbatch_tokens, linear.outputs * result.microbatch_tokens)
+               for i in result.blocks for path, linear in result.rank_linears(i).items()}
+    assert planned.keys() == measured.keys() and len(planned) == 7 * plan.model.n_layers
+    for key, (inputs, outputs) in measured.items():
+        assert planned[key] == pytest.approx((inputs, outputs)), key
+
+
+@pytest.mark.parametrize("overrides", [
     ("model=gpt_oss_tiny",), ("model=deepseek_v3_tiny",), ("model=gpt_oss_tiny", "+plugins=[ac]", "plugins.ac.mode=full"),
     ("model=deepseek_v3_tiny", "training.grad_accum_steps=2"),
 ], ids=["gpt-oss", "deepseek-v3", "gpt-oss-ac-full", "deepseek-v3-two-micro-batches"])
@@ -1733,15 +1758,15 @@ def test_the_seeds_h100s_other_published_runs_are_planned_near_what_they_did():
     FSDP 16 x TP 8 on 128 GPUs, August 2024; 70B and 8B with TP 8, June 2025), which set nothing: tokens/s within
     20% (8B's +14% and +27% before a checkpointed block's tp collectives were counted again as it recomputes), but
     float8 rowwise under tp, which ran as slowly as bf16 or slower (torchtitan#1207: at those split shapes its
-    casts and small matmuls cost what float8 saves), planned faster than it ran (+30%, +54%: the planner prices
-    float8's matmuls at one rate whatever their shapes). The job published as out of memory, 405B with FSDP alone
-    on 128 GPUs, does not fit."""
+    casts and small matmuls cost what float8 saves), planned faster than it ran (+19%, +36%, and +30%, +54% before
+    each linear's casts were counted at the sizes tp leaves it: the planner prices float8's matmuls at one rate
+    whatever their shapes). The job published as out of memory, 405B with FSDP alone on 128 GPUs, does not fit."""
     rows = [row for row in published.CARDS if row[0] == published.HARDWARE]
     assert len(rows) == 8
     for card, name, overrides, tps, _ in rows:
         got, _, _ = published.predicted(overrides, card)
         if name.endswith("float8 rowwise"):
-            assert got > tps * 1.2, (name, got, tps)
+            assert got > tps * 1.15, (name, got, tps)
         else:
             assert abs(got / tps - 1) < 0.2, (name, got, tps)
     [(card, _, overrides)] = published.OUT_OF_MEMORY
@@ -1751,7 +1776,9 @@ def test_the_seeds_h100s_other_published_runs_are_planned_near_what_they_did():
 @pytest.mark.slow
 def test_recommend_puts_first_torchtitans_published_plan_for_405b_on_128_gpus():
     """TorchTitan ran Llama 3.1 405B on 128 H100s with FSDP 16 x TP 8, compile, float8 and full checkpointing (177
-    TPS/GPU; FSDP alone ran out of memory): --recommend, given those plugins to choose from, puts that plan first."""
+    TPS/GPU; FSDP alone ran out of memory): --recommend, given those plugins to choose from, puts that plan first
+    (at 166: titan-core's tp casts each column-wise linear's whole gathered input, which TorchTitan's tensorwise
+    float8 casts before gathering)."""
     from titan_core.planner.cli import recommendations
 
     text = recommendations(["--hardware", "h100_sxm_96gb", "--recommend", "model=405B", "launch.world_size=128",
@@ -1760,7 +1787,7 @@ def test_recommend_puts_first_torchtitans_published_plan_for_405b_on_128_gpus():
     first = text.splitlines()[1].split()
     assert "+plugins=[fsdp,tp,ac,compile,float8]" in first and "plugins.tp.degree=8" in first, text
     assert "plugins.ac.mode=full" in first and "plugins.float8.fsdp_float8_all_gather=true" in first, text
-    assert float(first[0].replace(",", "")) == pytest.approx(177, rel=0.05)
+    assert float(first[0].replace(",", "")) == pytest.approx(177, rel=0.1)
 
 
 @pytest.mark.slow

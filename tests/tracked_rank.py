@@ -14,6 +14,7 @@ way to count the calls of collectives whose sizes come from another rank (expert
 """
 
 import contextlib
+import functools
 import gc
 import importlib
 import itertools
@@ -35,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import _utils as pipeline_utils
 from torch.distributed.pipelining import schedules as pipeline_schedules
 from torch.distributed.pipelining import stage as pipeline_stage
-from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring_attention
 
 from titan_core import PP, attention, objective
@@ -298,6 +299,28 @@ def operators(config, registry, plan) -> tuple[int, int]:
     with OperatorCounter() as every:
         step()
     return every.calls, in_optimizer.calls
+
+
+def linear_elements(config, registry, plan) -> dict[tuple[int, str], tuple[int, int]]:
+    """Elements of the input and of the result each linear of this rank's blocks computes on in one forward, by the
+    block's index and the linear's path within it (a DTensor's local ones)."""
+    parts, _, step = _training_step(config, registry, plan)
+    seen = {}
+
+    def local(tensor) -> int:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
+
+    def record(key, module, args, result):
+        seen[key] = (local(args[0]), local(result))
+    for part in parts:
+        for index, block in plan.model.blocks_of(part).items():
+            for name, module in block.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    name = name.replace("_checkpoint_wrapped_module.", "")
+                    # Before the hooks of tensor parallel, which redistribute the result (a row-wise one's partial sum).
+                    module.register_forward_hook(functools.partial(record, (int(index), name)), prepend=True)
+    step()
+    return seen
 
 
 def _counted(config, registry, plan, *counters) -> None:

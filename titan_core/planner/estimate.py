@@ -19,7 +19,7 @@ from torch import nn
 
 from titan_core.capabilities import MIXED_PRECISION
 from titan_core.mesh import cpu_threads
-from titan_core.planner.facts import ModelFacts
+from titan_core.planner.facts import Linear, ModelFacts
 from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
@@ -78,6 +78,9 @@ class Estimate:
     Activations, per micro-batch of ``microbatch_rows`` rows of ``seq_len`` tokens: ``sequence_split`` (ranks
     a sequence is split over: context parallel), ``activation_split`` / ``outer_split`` (ranks the blocks' /
     the outputs' and loss's activations are split over: tensor and sequence parallel, loss parallel),
+    ``linear_splits`` (by the path of a linear within its block, the ranks its input and its result are split over;
+    a linear not named has both whole: tensor parallel gathers a column-wise linear's input whole and splits its
+    result, and the other way round for a row-wise one; read as :meth:`rank_linears`),
     ``stream_split`` (ranks the residual stream between blocks is split over besides ``sequence_split``:
     sequence parallel), ``logits_split`` (ranks the logits are split over by vocabulary: loss parallel),
     ``microbatches_in_flight`` (micro-batches whose activations are alive at once, in units of all this rank's
@@ -159,6 +162,7 @@ class Estimate:
     activation_split: int = 1
     outer_split: int = 1
     logits_split: int = 1
+    linear_splits: dict[str, tuple[int, int]] = field(default_factory=dict)
     microbatches_in_flight: float | Callable[[Estimate], float] = 1
     weight_halves_waiting: float | Callable[[Estimate], float] = 0
     gradients_made: float | Callable[[Estimate], float] = 1.0
@@ -308,6 +312,14 @@ class Estimate:
 
     def largest_block_params(self) -> int:
         return max((self.facts.block_params[i] for i in self.blocks), default=0)
+
+    def rank_linears(self, index: int) -> dict[str, Linear]:
+        """Block ``index``'s linears as this rank computes them: their inputs and results per token divided by the
+        ranks ``linear_splits`` splits them over, their weights by ``weight_split``."""
+        def split(path: str, linear: Linear) -> Linear:
+            inputs, outputs = self.linear_splits.get(path, (1, 1))
+            return Linear(linear.inputs / inputs, linear.outputs / outputs, linear.weights / self.weight_split)
+        return {path: split(path, linear) for path, linear in self.facts.block_linears[index].items()}
 
     def block_gathered(self, index: int) -> float:
         """Parameters of block ``index`` this rank computes with, once gathered from any sharding: its share of the

@@ -43,6 +43,15 @@ ALTERNATE_MATMULS = "every other matmul"  # block_made's key for the 1st, 3rd, .
 
 
 @dataclass(frozen=True)
+class Linear:
+    """One linear of a block as traced: elements per token of its input and of its result, its weight's elements."""
+
+    inputs: float = 0.0
+    outputs: float = 0.0
+    weights: int = 0
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """One model's parameter counts and kept activations (bytes per token, in the dtype it was traced in).
 
@@ -78,10 +87,11 @@ class ModelFacts:
     ``block_param_results[i]``: bytes per token of the results of block ``i``'s ops that read a parameter (its
     weights' matmuls, its norms' scales): the gradients a backward split in two keeps from its input half for its
     weight half.
-    ``block_linear_inputs[i]``/``block_linear_outputs[i]``: elements per token of the inputs and the results of
-    block ``i``'s linears (its matmuls that read a weight; an input two linears read counts twice, as each
-    casts it on its own), ``block_linear_weights[i]``: their weights' elements: what a plugin converting linears
-    casts (the results' shape is their gradients').
+    ``block_linears[i]``: block ``i``'s linears (its matmuls that read a weight) by the path of their module within
+    the block, each a :class:`Linear` (elements per token of its input and of its result, its weight's elements:
+    what a plugin converting linears casts; the result's shape is its gradient's); ``block_linear_inputs[i]``,
+    ``block_linear_outputs[i]``, ``block_linear_weights[i]``: their sums (an input two linears read counts twice,
+    as each casts it on its own).
     ``block_expert_params[i]``: the parameters of block ``i``'s experts module (``ModelDescription.experts``; 0 in a
     dense block), ``block_expert_input[i]``: bytes per token of the token copies entering it (what expert parallel
     sends to the experts' ranks and back), ``block_expert_copies[i]``: how many copies of each token enter it,
@@ -109,9 +119,7 @@ class ModelFacts:
     block_backward: tuple[float, ...]
     block_forward: tuple[float, ...]
     block_param_results: tuple[float, ...]
-    block_linear_inputs: tuple[float, ...]
-    block_linear_outputs: tuple[float, ...]
-    block_linear_weights: tuple[int, ...]
+    block_linears: tuple[dict[str, Linear], ...]
     loss_backward: float
     output: float
     block_ops: tuple[int, ...]
@@ -131,6 +139,18 @@ class ModelFacts:
     @property
     def params(self) -> int:
         return sum(self.block_params) + self.inputs_params + self.outputs_params + self.other_params
+
+    @property
+    def block_linear_inputs(self) -> tuple[float, ...]:
+        return tuple(sum(linear.inputs for linear in linears.values()) for linears in self.block_linears)
+
+    @property
+    def block_linear_outputs(self) -> tuple[float, ...]:
+        return tuple(sum(linear.outputs for linear in linears.values()) for linears in self.block_linears)
+
+    @property
+    def block_linear_weights(self) -> tuple[int, ...]:
+        return tuple(sum(linear.weights for linear in linears.values()) for linears in self.block_linears)
 
     def made_by(self, index: int, ops, every_other_matmul: bool = False) -> float:
         """Bytes per token of block ``index``'s results of the named aten ops (``attention``: the attention's
@@ -174,9 +194,10 @@ class _Tracer(TorchDispatchMode):
 
     active: _Tracer | None = None
 
-    def __init__(self, positions: int, parameters: set[int], buffers: set[int], n_blocks: int, autocast: bool):
+    def __init__(self, positions: int, parameters: dict[int, str], buffers: set[int], n_blocks: int, autocast: bool):
         super().__init__()
-        self.positions, self.parameters, self.learned = positions, parameters, parameters | buffers
+        # Each parameter's storage, and the path of its module within its block ("" outside the blocks).
+        self.positions, self.parameters, self.learned = positions, parameters, set(parameters) | buffers
         self.autocast = autocast  # the weights' copies are autocast's, held whatever the tokens
         self.block: int | None = None  # the block running, None outside the blocks
         self.counting: int | None = None  # the block whose forward or backward runs, None outside the blocks
@@ -186,9 +207,7 @@ class _Tracer(TorchDispatchMode):
         self.made = [{} for _ in range(n_blocks)]
         self.product_flops = [{} for _ in range(n_blocks)]
         self.param_results = [0.0] * n_blocks
-        self.linear_inputs = [0.0] * n_blocks
-        self.linear_outputs = [0.0] * n_blocks
-        self.linear_weights = [0] * n_blocks
+        self.linears: list[dict[str, Linear]] = [{} for _ in range(n_blocks)]
         self.matmuls = 0  # of the block being traced
         self.block_input = 0.0
         self.stream_shape: tuple[int, ...] = ()
@@ -238,9 +257,12 @@ class _Tracer(TorchDispatchMode):
                 if product:
                     flops[key] = flops.get(key, 0.0) + product
             if name in MATMULS and reads_parameter:
-                self.linear_inputs[self.block] += args[PRODUCTS[name]].numel() / self.positions
-                self.linear_outputs[self.block] += results[0].numel() / self.positions
-                self.linear_weights[self.block] += args[PRODUCTS[name] + 1].numel()
+                weight = args[PRODUCTS[name] + 1]
+                path = self.parameters.get(weight.untyped_storage()._cdata, "")
+                linears = self.linears[self.block]
+                seen = linears.get(path, Linear())
+                linears[path] = Linear(seen.inputs + args[PRODUCTS[name]].numel() / self.positions,
+                                       seen.outputs + results[0].numel() / self.positions, seen.weights + weight.numel())
 
     def _reads_parameter(self, args) -> bool:
         return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata in self.parameters
@@ -277,7 +299,7 @@ class _Tracer(TorchDispatchMode):
             # (kept so that no later tensor takes its storage's address).
             self.copies.append(out)
             copy = out.untyped_storage()
-            self.parameters.add(copy._cdata)
+            self.parameters[copy._cdata] = self.parameters[args[0].untyped_storage()._cdata]
             self.learned.add(copy._cdata)
             self.weight_casts[-1 if self.block is None else self.block] += copy.nbytes()
         results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
@@ -452,8 +474,10 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
     if not autocast:
         model.to(dtype)
     blocks = list(description.blocks_of(model).values()) if description.blocks else []
-    tracer = _Tracer(min(TRACE_TOKENS, seq_len), _storages(model.parameters()), _storages(model.buffers()), len(blocks),
-                     autocast)
+    paths = {p.untyped_storage()._cdata: "" for p in model.parameters()}
+    for block in blocks:
+        paths.update((p.untyped_storage()._cdata, name.rpartition(".")[0]) for name, p in block.named_parameters())
+    tracer = _Tracer(min(TRACE_TOKENS, seq_len), paths, _storages(model.buffers()), len(blocks), autocast)
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(functools.partial(tracer.enter, index))
         block.register_forward_hook(tracer.leave)
@@ -525,8 +549,7 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
                       output=_nbytes(logits) / tracer.positions,
                       block_forward=tuple(tracer.forward_peaks(len(blocks))),
                       block_param_results=tuple(tracer.param_results),
-                      block_linear_inputs=tuple(tracer.linear_inputs), block_linear_outputs=tuple(tracer.linear_outputs),
-                      block_linear_weights=tuple(tracer.linear_weights),
+                      block_linears=tuple(tracer.linears),
                       block_ops=tuple(tracer.ops[:-1]), outer_ops=tracer.ops[-1],
                       parameter_tensors=len(list(model.parameters())),
                       largest_parameter=max(p.numel() for p in model.parameters()),

@@ -161,12 +161,14 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
 
     def cast_bytes(e):
-        facts, microbatches = e.facts, e.microbatches_per_step()
-        activations = sum((inputs + rescaled) * facts.block_linear_inputs[i] + gradients * facts.block_linear_outputs[i]
-                          for i in e.blocks) * e.microbatch_tokens / e.activation_split
-        linear_weights = sum(facts.block_linear_weights[i] for i in e.blocks) / e.weight_split
+        # Each linear casts what it computes on: under tensor parallel a column-wise one its gathered input, a
+        # row-wise one its result's whole gradient (checked against the shapes torchao casts in a real step).
+        linears = [linear for i in e.blocks for linear in e.rank_linears(i).values()]
+        activations = sum((inputs + rescaled) * linear.inputs + gradients * linear.outputs
+                          for linear in linears) * e.microbatch_tokens
+        linear_weights = sum(linear.weights for linear in linears)
         casts = weights * linear_weights / (1 if gathered_cast else e.state_shards)
-        return (activations + casts + rescaled * linear_weights) * microbatches
+        return (activations + casts + rescaled * linear_weights) * e.microbatches_per_step()
     estimate.add_traffic(cast_bytes, f"casts to float8 ({plugin_config.recipe})", "float8")
     if plugin_config.fsdp_float8_all_gather:
         estimate.gather_bytes = 1

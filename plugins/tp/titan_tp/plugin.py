@@ -285,6 +285,11 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.activation_split *= saved / ((saved - whole) / degree + whole) if saved > whole else 1
     if plugin_config.sequence_parallel:
         estimate.stream_split *= degree
+    # A column-wise linear computes on its whole input (gathered, or replicated) and leaves its result split; a
+    # row-wise one the other way round (its result a partial sum of the stream's shape).
+    layout = plan.model.tensor_parallel
+    estimate.linear_splits.update({**{path: (1, degree) for path in layout.block_colwise},
+                                   **{path: (degree, 1) for path in layout.block_rowwise}})
     # torch's backward of a vocabulary-split embedding makes the gradient of the whole table before keeping its
     # rows (measured under torch's tracker: 3.9 GiB on every rank for 70B's 128,256 x 8,192 in float32).
     estimate.add_memory("gradients", lambda e: e.facts.inputs_params * e.holds_inputs * e.made_gradient_bytes,
