@@ -1526,6 +1526,72 @@ def test_an_outsiders_logits_split_reaches_what_a_pipelines_last_stage_keeps(tmp
     assert halved > 0.1 * 2**20  # beyond the printed rounding
 
 
+# Written from docs/writing-plugins.md's paragraph on memory traffic: each linear as the rank computes it.
+INT8_INPUTS = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """int8acts: each linear's input, as this rank computes on it, is written once more in int8 for its backward."""
+    def written(e):
+        per_token = sum(linear.inputs for i in e.blocks for linear in e.rank_linears(i).values())
+        return plugin_config.bytes * per_token * e.microbatch_tokens * e.microbatches_per_step()
+    estimate.add_traffic(written, "linears' inputs in int8", "int8acts")
+'''
+
+
+def test_an_outsiders_traffic_per_linear_follows_tensor_parallels_splits(tmp_path):
+    """A plugin written from docs/writing-plugins.md reads each linear of the rank's blocks (Estimate.rank_linears)
+    and knows no tp: stacked with tp 2, its bytes are the inputs each linear of a real tp step computes on (a
+    column-wise linear's whole, a row-wise one's half), not the whole model's nor its half."""
+    env = install_plugins(tmp_path / "site", {"int8acts": (INT8_INPUTS, "bytes: 1\n")}, "int8acts-plugin")
+    tp = ("launch.world_size=2", "plugins.tp.degree=2")
+    done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[tp,int8acts]", *tp, env=env)
+    assert done.returncode == 0, done.stderr
+    printed = _printed_bytes(done.stdout, "memory traffic int8acts: linears' inputs in int8:")
+    config, registry, plan, result = _estimate("launch.device=cpu", "+plugins=[tp]", *tp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        measured = tracked_rank.linear_elements(config, registry, plan)
+    finally:
+        dist.destroy_process_group()
+    assert printed == pytest.approx(sum(inputs for inputs, _ in measured.values()), abs=0.006 * 2**10)
+    whole = sum(result.facts.block_linear_inputs) * result.microbatch_tokens
+    assert whole / 2 + 2**10 < printed < whole - 2**10
+
+
+# Written from docs/writing-plugins.md's paragraph on recomputation: an exchange each time attention runs.
+KV_MIRROR = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config):
+    """kvmirror: each attention's keys and values sent to a mirror, in forward and again when it is recomputed."""
+    def sent(e):
+        runs = sum(1 + e.recomputes_attention(i) for i in e.blocks)
+        return runs * e.facts.attention_kv * e.microbatch_tokens * e.microbatches_per_step()
+    estimate.add_collective("keys and values to the mirror", ("dp_shard",), sent, overlapped=False, plugin="kvmirror")
+'''
+
+
+@pytest.mark.parametrize("mode, runs", [("full", 2), ("selective_op", 1)])
+def test_an_outsiders_attention_exchange_is_paid_again_only_where_attention_is_recomputed(mode, runs, tmp_path):
+    """A plugin written from docs/writing-plugins.md whose attention exchanges data reads
+    Estimate.recomputes_attention: under full checkpointing a block's attention runs twice, under selective
+    checkpointing, which keeps attention's results (ac sets Estimate.attention_kept), once."""
+    env = install_plugins(tmp_path / "site", {"kvmirror": (KV_MIRROR, "")}, "kvmirror-plugin")
+    done = _plan_command("--hardware", "a100", *SMALL, "+plugins=[ac,kvmirror]", f"plugins.ac.mode={mode}", env=env)
+    assert done.returncode == 0, done.stderr
+    _, result = job_estimate(["--hardware", "a100", *SMALL, "+plugins=[ac]", f"plugins.ac.mode={mode}"])
+    assert all(result.recomputes(i) for i in result.blocks)
+    once = len(result.blocks) * result.facts.attention_kv * result.microbatch_tokens * result.microbatches_per_step()
+    line = next(line for line in done.stdout.splitlines() if "keys and values to the mirror" in line)
+    number, unit = line.split(": ")[-1].split()[:2]
+    assert float(number) * {"MiB": 2**20, "KiB": 2**10}[unit] == pytest.approx(runs * once, abs=0.006 * 2**10)
+
+
 MOMENTUM = '''
 import torch
 from titan_core import hookimpl
