@@ -55,9 +55,14 @@ def _estimate(*overrides):
 def _tracked_step(config, registry, plan, fake_tensors: bool = False, allocations: list | None = None) -> dict:
     """Torch's tracker over a step of rank 0 of the plan, in this process: a fake process group stands in for the
     other ranks (its collectives move nothing but make their results at full size)."""
+    return _on_rank0(tracked_rank.tracked_step, config, registry, plan, fake_tensors, allocations)
+
+
+def _on_rank0(measure, config, registry, plan, *args):
+    """``measure(config, registry, plan, *args)`` as rank 0 of the plan's world on a fake process group."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        return tracked_rank.tracked_step(config, registry, plan, fake_tensors, allocations)
+        return measure(config, registry, plan, *args)
     finally:
         dist.destroy_process_group()
 
@@ -200,11 +205,7 @@ def test_each_linear_computes_on_what_the_planner_says_under_tensor_parallel(ove
     column-wise input counted 1.56 times too small, a row-wise one 1.28 times too large; Llama 3 8B with tp 8, 5.24:
     rowwise's casts a step 2.26 times what was counted)."""
     config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        measured = tracked_rank.linear_elements(config, registry, plan)
-    finally:
-        dist.destroy_process_group()
+    measured = _on_rank0(tracked_rank.linear_elements, config, registry, plan)
     planned = {(i, path): (linear.inputs * result.microbatch_tokens, linear.outputs * result.microbatch_tokens)
                for i in result.blocks for path, linear in result.rank_linears(i).items()}
     assert planned.keys() == measured.keys() and len(planned) == 7 * plan.model.n_layers
@@ -254,11 +255,7 @@ def test_collective_calls_are_those_torch_issues(overrides):
     parallel, one of two without: uncounted before). (Context parallel's ring exchanges do not reach the
     dispatcher on a fake process group: cp is not checked here.)"""
     config, registry, plan, result = _estimate("launch.device=cpu", *overrides)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        issued = tracked_rank.collective_calls(config, registry, plan)
-    finally:
-        dist.destroy_process_group()
+    issued = _on_rank0(tracked_rank.collective_calls, config, registry, plan)
     assert sum(result.collective_calls(c) for c in result.collectives) == issued
 
 
@@ -268,11 +265,7 @@ def test_fsdp_reduces_each_micro_batch_or_only_the_last(policy, per_step):
     reduce_gradients=last_micro_batch, whose whole gradients held until then the planner counts as a buffer."""
     config, registry, plan, result = _estimate("launch.device=cpu", "+plugins=[fsdp]", "plugins.fsdp.degree=2",
                                                "training.grad_accum_steps=4", f"plugins.fsdp.reduce_gradients={policy}")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        issued = tracked_rank.reduce_scatters(config, registry, plan)
-    finally:
-        dist.destroy_process_group()
+    issued = _on_rank0(tracked_rank.reduce_scatters, config, registry, plan)
     units = plan.model.n_layers + 2  # each block, the embeddings, the final norm with the output (the root: none)
     assert issued == per_step * units, issued
     held = [term for term in result.memory_terms if "until the last micro-batch" in term[1]]
@@ -284,11 +277,7 @@ def test_the_trace_counts_the_operators_a_step_runs(model):
     """The host issues a step's operators one by one: the trace's count, with the optimizer's counted per group
     and per tensor (torch's batched AdamW: 119 to 188 a step on these models), within 10% of the worker's step."""
     config, registry, plan, result = _estimate("launch.device=cpu", f"model={model}")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
-        issued, optimizer = tracked_rank.operators(config, registry, plan)
-    finally:
-        dist.destroy_process_group()
+    issued, optimizer = _on_rank0(tracked_rank.operators, config, registry, plan)
     assert evaluated(result.optimizer_operators, result) == pytest.approx(optimizer, rel=0.05)
     traced = sum(result.facts.block_ops) + result.facts.outer_ops + evaluated(result.optimizer_operators, result)
     assert traced == pytest.approx(issued, rel=0.1)
@@ -1551,11 +1540,7 @@ def test_an_outsiders_traffic_per_linear_follows_tensor_parallels_splits(tmp_pat
     assert done.returncode == 0, done.stderr
     printed = _printed_bytes(done.stdout, "memory traffic int8acts: linears' inputs in int8:")
     config, registry, plan, result = _estimate("launch.device=cpu", "+plugins=[tp]", *tp)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        measured = tracked_rank.linear_elements(config, registry, plan)
-    finally:
-        dist.destroy_process_group()
+    measured = _on_rank0(tracked_rank.linear_elements, config, registry, plan)
     assert printed == pytest.approx(sum(inputs for inputs, _ in measured.values()), abs=0.006 * 2**10)
     whole = sum(result.facts.block_linear_inputs) * result.microbatch_tokens
     assert whole / 2 + 2**10 < printed < whole - 2**10
