@@ -110,7 +110,8 @@ CARDS = [  # (card's profile, source and job, overrides, published TPS/GPU, publ
     ("h200", "torchtitan H200: 8B, 64 GPUs, float8", job("8B", 64, 8192, 128, ["fsdp", "compile", "float8"], FLOAT8,
                                                               LOSS_COMPILED), 10753, 46.97),
     *[(HARDWARE, f"torchtitan H100: 405B, 128 GPUs, FSDP 16, TP 8, {kind}",
-       job("405B", 128, 8192, 32, ["fsdp", "tp", "compile", *extra], *flags, "plugins.tp.degree=8", ac="full"), tps, None)
+       job("405B", 128, 8192, 32, ["fsdp", "tp", "compile", *extra], *flags, "plugins.tp.degree=8", ac="full"), tps,
+       None)
       for kind, extra, flags, tps in (("bf16", [], [], 109), ("float8", ["float8"], [FLOAT8], 177))],
     *[(HARDWARE, f"torchtitan H100: {model}, {world} GPUs, FSDP {world // 8}, TP 8, {kind}",
        job(model, world, 8192, world // 8 * rows, ["fsdp", "tp", "compile", *extra], *flags, "plugins.tp.degree=8",

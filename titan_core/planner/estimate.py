@@ -107,7 +107,8 @@ class Estimate:
     ``keep(index, saved, stream)`` (bytes per token block ``index`` keeps on this rank, from what it would keep
     there without checkpointing and its input stream there, both already split: activation checkpointing; a
     block recomputes in backward what it did not keep), ``attention_kept`` (a block that recomputes keeps its
-    attention's results, which it does not run again: selective checkpointing that saves attention), ``expert_load`` (rows the busiest rank's experts compute
+    attention's results, which it does not run again: selective checkpointing that saves attention),
+    ``expert_load`` (rows the busiest rank's experts compute
     per token copy it routes, 1 when evenly routed: the busiest rank's experts compute that much more; a run
     logs it as ``expert_rank_load_max``, the plan command takes it as ``--expert-load``), ``expert_load_peak``
     (the same over the busiest micro-batch, which a step's memory peak meets: its experts keep that much more;

@@ -262,7 +262,8 @@ class _Tracer(TorchDispatchMode):
                 linears = self.linears[self.block]
                 seen = linears.get(path, Linear())
                 linears[path] = Linear(seen.inputs + args[PRODUCTS[name]].numel() / self.positions,
-                                       seen.outputs + results[0].numel() / self.positions, seen.weights + weight.numel())
+                                       seen.outputs + results[0].numel() / self.positions,
+                                       seen.weights + weight.numel())
 
     def _reads_parameter(self, args) -> bool:
         return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata in self.parameters
