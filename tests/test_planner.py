@@ -856,19 +856,21 @@ def test_expert_parallel_calls_are_those_its_ranks_issue(ac, repeated, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, overrides", [
-    (2, ("plugins.ac.mode=full",)),
-    (2, ("plugins.ac.mode=selective_op",)),
-    (2, ("plugins.ac.mode=selective_op", "training.attention_mask=block_causal")),
-    (4, ("plugins.ac.mode=full", "plugins.cp.rotate_method=alltoall")),
-], ids=["ring-full-ac", "ring-selective-ac", "documents-selective-ac", "ring-alltoall-4-full-ac"])
+    (2, ("+plugins=[cp,ac]", "plugins.cp.degree=2", "plugins.ac.mode=full")),
+    (2, ("+plugins=[cp,ac]", "plugins.cp.degree=2", "plugins.ac.mode=selective_op")),
+    (2, ("+plugins=[cp,ac]", "plugins.cp.degree=2", "plugins.ac.mode=selective_op",
+         "training.attention_mask=block_causal")),
+    (4, ("+plugins=[cp,ac]", "plugins.cp.degree=4", "plugins.ac.mode=full", "plugins.cp.rotate_method=alltoall")),
+    (4, ("+plugins=[tp,cp,ac]", "plugins.tp.degree=2", "plugins.cp.degree=2", "plugins.ac.mode=full")),
+], ids=["ring-full-ac", "ring-selective-ac", "documents-selective-ac", "ring-alltoall-4-full-ac", "tp-2-full-ac"])
 def test_context_parallel_calls_are_those_its_ranks_issue(world, overrides, tmp_path):
     """cp on a real world of ``world`` ranks, each counting what it issues (torch's ring exchanges too, issued out
     of a dispatch mode's sight): the ring's gradients travel in ``degree`` exchanges, and a block that recomputes
     its attention exchanges its keys and values again (selective checkpointing keeps attention's results); masked
     attention gathers keys, values, positions and document ids, again as a block recomputes, and reduce-scatters
-    the gradients (before: 3 calls per block and micro-batch, 4 to 8 issued here)."""
-    overrides = (*SMALL, "launch.device=cpu", f"launch.world_size={world}", f"plugins.cp.degree={world}",
-                 "+plugins=[cp,ac]", *overrides)
+    the gradients (before: 3 calls per block and micro-batch, 4 to 8 issued here); with tp, its recomputed calls
+    besides."""
+    overrides = (*SMALL, "launch.device=cpu", f"launch.world_size={world}", *overrides)
     config, registry, plan, result = _estimate(*overrides)
     ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(world), str(tmp_path), "--calls", *overrides],
                            timeout=300, capture_output=True, text=True)
