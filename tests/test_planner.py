@@ -1544,7 +1544,8 @@ def test_an_outsiders_traffic_per_linear_follows_tensor_parallels_splits(tmp_pat
     config, registry, plan, result = _estimate("launch.device=cpu", "+plugins=[tp]", *tp)
     measured = _on_rank0(tracked_rank.linear_elements, config, registry, plan)
     assert printed == pytest.approx(sum(inputs for inputs, _ in measured.values()), abs=0.006 * 2**10)
-    whole = sum(result.facts.block_linear_inputs) * result.microbatch_tokens
+    whole = sum(linear.inputs for linears in result.facts.block_linears for linear in linears.values()) \
+        * result.microbatch_tokens
     assert whole / 2 + 2**10 < printed < whole - 2**10
 
 

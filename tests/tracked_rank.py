@@ -39,7 +39,7 @@ from torch.distributed.pipelining import stage as pipeline_stage
 from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring_attention
 
-from titan_core import PP, attention, objective
+from titan_core import PP, attention, canonical_name, objective
 from titan_core.mesh import ParallelMesh
 from titan_core.moe.routing import ExpertRouting, rank_load
 from titan_core.plugins import Hooks, Registry, build_plan
@@ -316,9 +316,9 @@ def linear_elements(config, registry, plan) -> dict[tuple[int, str], tuple[int, 
         for index, block in plan.model.blocks_of(part).items():
             for name, module in block.named_modules():
                 if isinstance(module, torch.nn.Linear):
-                    name = name.replace("_checkpoint_wrapped_module.", "")
                     # Before the hooks of tensor parallel, which redistribute the result (a row-wise one's partial sum).
-                    module.register_forward_hook(functools.partial(record, (int(index), name)), prepend=True)
+                    module.register_forward_hook(functools.partial(record, (int(index), canonical_name(name))),
+                                                 prepend=True)
     step()
     return seen
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from titan_core.capabilities import MIXED_PRECISION
 from titan_core.mesh import cpu_threads
-from titan_core.planner.facts import Linear, ModelFacts
+from titan_core.planner.facts import LinearSizes, ModelFacts
 from titan_core.planner.hardware import Hardware
 
 GIB = 2**30
@@ -314,12 +314,12 @@ class Estimate:
     def largest_block_params(self) -> int:
         return max((self.facts.block_params[i] for i in self.blocks), default=0)
 
-    def rank_linears(self, index: int) -> dict[str, Linear]:
+    def rank_linears(self, index: int) -> dict[str, LinearSizes]:
         """Block ``index``'s linears as this rank computes them: their inputs and results per token divided by the
         ranks ``linear_splits`` splits them over, their weights by ``weight_split``."""
-        def split(path: str, linear: Linear) -> Linear:
+        def split(path: str, linear: LinearSizes) -> LinearSizes:
             inputs, outputs = self.linear_splits.get(path, (1, 1))
-            return Linear(linear.inputs / inputs, linear.outputs / outputs, linear.weights / self.weight_split)
+            return LinearSizes(linear.inputs / inputs, linear.outputs / outputs, linear.weights / self.weight_split)
         return {path: split(path, linear) for path, linear in self.facts.block_linears[index].items()}
 
     def block_gathered(self, index: int) -> float:

@@ -43,8 +43,8 @@ ALTERNATE_MATMULS = "every other matmul"  # block_made's key for the 1st, 3rd, .
 
 
 @dataclass(frozen=True)
-class Linear:
-    """One linear of a block as traced: elements per token of its input and of its result, its weight's elements."""
+class LinearSizes:
+    """One linear of a block: elements per token of its input and of its result, its weight's elements."""
 
     inputs: float = 0.0
     outputs: float = 0.0
@@ -88,10 +88,8 @@ class ModelFacts:
     weights' matmuls, its norms' scales): the gradients a backward split in two keeps from its input half for its
     weight half.
     ``block_linears[i]``: block ``i``'s linears (its matmuls that read a weight) by the path of their module within
-    the block, each a :class:`Linear` (elements per token of its input and of its result, its weight's elements:
-    what a plugin converting linears casts; the result's shape is its gradient's); ``block_linear_inputs[i]``,
-    ``block_linear_outputs[i]``, ``block_linear_weights[i]``: their sums (an input two linears read counts twice,
-    as each casts it on its own).
+    the block, each's :class:`LinearSizes` (what a plugin converting linears casts; the result's shape is its
+    gradient's; an input two linears read counts for each, as each casts it on its own).
     ``block_expert_params[i]``: the parameters of block ``i``'s experts module (``ModelDescription.experts``; 0 in a
     dense block), ``block_expert_input[i]``: bytes per token of the token copies entering it (what expert parallel
     sends to the experts' ranks and back), ``block_expert_copies[i]``: how many copies of each token enter it,
@@ -119,7 +117,7 @@ class ModelFacts:
     block_backward: tuple[float, ...]
     block_forward: tuple[float, ...]
     block_param_results: tuple[float, ...]
-    block_linears: tuple[dict[str, Linear], ...]
+    block_linears: tuple[dict[str, LinearSizes], ...]
     loss_backward: float
     output: float
     block_ops: tuple[int, ...]
@@ -139,18 +137,6 @@ class ModelFacts:
     @property
     def params(self) -> int:
         return sum(self.block_params) + self.inputs_params + self.outputs_params + self.other_params
-
-    @property
-    def block_linear_inputs(self) -> tuple[float, ...]:
-        return tuple(sum(linear.inputs for linear in linears.values()) for linears in self.block_linears)
-
-    @property
-    def block_linear_outputs(self) -> tuple[float, ...]:
-        return tuple(sum(linear.outputs for linear in linears.values()) for linears in self.block_linears)
-
-    @property
-    def block_linear_weights(self) -> tuple[int, ...]:
-        return tuple(sum(linear.weights for linear in linears.values()) for linears in self.block_linears)
 
     def made_by(self, index: int, ops, every_other_matmul: bool = False) -> float:
         """Bytes per token of block ``index``'s results of the named aten ops (``attention``: the attention's
@@ -207,7 +193,7 @@ class _Tracer(TorchDispatchMode):
         self.made = [{} for _ in range(n_blocks)]
         self.product_flops = [{} for _ in range(n_blocks)]
         self.param_results = [0.0] * n_blocks
-        self.linears: list[dict[str, Linear]] = [{} for _ in range(n_blocks)]
+        self.linears: list[dict[str, LinearSizes]] = [{} for _ in range(n_blocks)]
         self.matmuls = 0  # of the block being traced
         self.block_input = 0.0
         self.stream_shape: tuple[int, ...] = ()
@@ -260,10 +246,10 @@ class _Tracer(TorchDispatchMode):
                 weight = args[PRODUCTS[name] + 1]
                 path = self.parameters.get(weight.untyped_storage()._cdata, "")
                 linears = self.linears[self.block]
-                seen = linears.get(path, Linear())
-                linears[path] = Linear(seen.inputs + args[PRODUCTS[name]].numel() / self.positions,
-                                       seen.outputs + results[0].numel() / self.positions,
-                                       seen.weights + weight.numel())
+                seen = linears.get(path, LinearSizes())
+                linears[path] = LinearSizes(seen.inputs + args[PRODUCTS[name]].numel() / self.positions,
+                                            seen.outputs + results[0].numel() / self.positions,
+                                            seen.weights + weight.numel())
 
     def _reads_parameter(self, args) -> bool:
         return any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata in self.parameters
