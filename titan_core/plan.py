@@ -103,7 +103,11 @@ class Plan:
         return [p.name for p in self.plugins]
 
     def degree(self, dim: str) -> int:
-        """How many ranks ``dim`` spans (1 when the plan does not have it)."""
+        """How many ranks ``dim`` spans (1 when the plan does not have it); ``rest_of(d)``: the borrowed ranks that
+        ``d`` leaves."""
+        for borrower, (degree, dims) in self.borrowed().items():
+            if dim == rest_of(borrower):
+                return math.prod(self.mesh_shape[d] for d in dims) // degree
         return self.mesh_shape.get(dim, self.borrowing.get(dim, 1))
 
     @property

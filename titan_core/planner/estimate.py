@@ -57,7 +57,10 @@ class Estimate:
 
     Where parameters live: ``weight_split`` (ranks each weight is split over: tensor parallel, which leaves a
     mixture of experts' weights whole and splits its tokens instead), ``expert_split`` (ranks each block's experts
-    are divided among: expert parallel), ``grad_whole_params`` (parameters, a number or a function of the
+    are divided among: expert parallel), ``sparse_units`` (for each module of a mixture-of-experts block that a
+    plugin split over some ranks only and marked ``replicate_only_over``, the mesh dimensions it named: a
+    data-parallel sharder makes each a unit of its own, gathered and reduced over those ranks; tensor parallel's
+    experts' layer, expert parallel's experts), ``grad_whole_params`` (parameters, a number or a function of the
     estimate, whose gradient this rank makes beyond its split of their weights: tensor parallel's
     vocabulary-split embedding, whose backward makes the whole table's gradient; kept whole across micro-batches
     unless a sharder that holds the gradients reduces it), ``sharder_holds_gradients`` (a data-parallel sharder
@@ -148,6 +151,7 @@ class Estimate:
     device_type: str = "cuda"
     weight_split: int = 1
     expert_split: int = 1
+    sparse_units: list[tuple[str, ...]] = field(default_factory=list)
     grad_whole_params: float | Callable[[Estimate], float] = 0.0
     sharder_holds_gradients: bool = False
     state_shards: int = 1

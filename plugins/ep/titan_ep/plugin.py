@@ -79,6 +79,7 @@ def estimate_costs(estimate, plan):
     which receives ``expert_load`` times an even share (and sends as much back)."""
     degree = plan.degree(EP)
     estimate.expert_split *= degree
+    estimate.sparse_units.append((rest_of(EP),))
     estimate.expert_copies_held += 1  # the arrived copies, sorted by expert, beside the routed ones
     tp = plan.degree(TP)  # tensor parallel gives each of its ranks a share of a MoE layer's tokens
 

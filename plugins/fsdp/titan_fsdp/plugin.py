@@ -5,6 +5,7 @@ context-parallel group hold different tokens of the same samples, so their gradi
 like those of different samples), and ``dp_replicate`` adds an outer replica dimension (HSDP).
 """
 
+import math
 import warnings
 
 import torch
@@ -162,11 +163,26 @@ def estimate_costs(estimate, plugin_config, plan):
     gathers = (2 if resharded else 1) * micro
     reductions = 1 if plugin_config.reduce_gradients == "last_micro_batch" else micro
 
-    def units(e):  # one call per block, one for the output layer, one for the rest of the model
-        return len(e.blocks) + 2
+    def units(e, sharding: bool = True):
+        """Units sharded over more than one rank (all, or ``sharding=False``: those replicated over more than one):
+        one per block, one for the output layer, one for the rest of the model when the dense ones are, and the
+        modules of mixture-of-experts blocks another plugin split partly (``Estimate.sparse_units``)."""
+        return ((shards > 1 if sharding else True) * (len(e.blocks) + 2)
+                + sum(sparse_blocks(e) * (sharding_ranks(dims) > 1 if sharding else True) for dims in e.sparse_units))
 
-    def gather_calls(e):  # backward gathers again all but the last block and the output (never resharded)
-        return micro * (units(e) + (units(e) - 2) * resharded)
+    def sparse_blocks(e) -> int:
+        return sum(bool(e.facts.block_expert_params[i]) for i in e.blocks)
+
+    def sharding_ranks(dims) -> int:
+        return math.prod(plan.degree(d) for d in dims)
+
+    def gather_calls(e):
+        # Backward gathers again every unit but the last block's (its mixture-of-experts units too) and the
+        # output's, never resharded.
+        last_sparse = bool(e.blocks) and bool(e.facts.block_expert_params[e.blocks[-1]])
+        regathered = (shards > 1) * len(e.blocks) + sum(
+            (sparse_blocks(e) - last_sparse) * (sharding_ranks(dims) > 1) for dims in e.sparse_units)
+        return micro * (units(e) + regathered * resharded)
 
     estimate.add_collective("all-gather of the weights", (DP_SHARD, CP), lambda e: sent(e, gathers * gathered(e)),
                             overlapped=True, plugin="fsdp", calls=gather_calls)
@@ -178,7 +194,7 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.add_collective("all-reduce of the gradient shards", (DP_REPLICATE,),
                                 lambda e: 2 * reductions * e.held_gathered() / shards * reduce_bytes
                                 * (replicas - 1) / replicas, overlapped=True, plugin="fsdp",
-                                calls=lambda e: reductions * units(e))
+                                calls=lambda e: reductions * units(e, sharding=False))
 
     def unreduced(e):
         # Whole until the last micro-batch's reduce-scatter makes its shard and frees it: at the peak the whole

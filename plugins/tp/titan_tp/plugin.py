@@ -20,6 +20,8 @@ ranks, sending each rank's tokens to the experts' ranks, so no expert is compute
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -29,6 +31,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from titan_core import (COMPILE, CP, DATA_PARALLEL_SHARDING, DP_SHARD, PARTIAL_DATA_PARALLEL, TENSOR_PARALLEL, TP,
                         ConfigError, Declaration, TensorParallelLayout, attribute, hookimpl, lacks, replicate_only_over)
 
+# The ranks over which a mixture-of-experts layer computing its share of the tokens is whole: its sharder sums
+# its gradients over all of them.
+TOKEN_SPLIT_REPLICAS = (DP_SHARD, CP, TP)
 STAGE = 200  # after pipeline splitting (each stage is parallelized like a whole model), before CP, AC, compile, FSDP
 
 
@@ -138,10 +143,9 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
     if sp:
         plan |= {name: SequenceParallel() for name in layout.block_norms}
     parallelize_module(block, tp_mesh, plan)
-    if sp:
-        for name in filter(weights_split, layout.block_regions):
-            gather_stream_on_entry(block.get_submodule(name), tp_mesh)
-    else:
+    for name in filter(weights_split, layout.block_regions):
+        enter_whole(block.get_submodule(name), tp_mesh, sp)
+    if not sp:
         for name in layout.block_norms:
             replicate_norm(block.get_submodule(name), tp_mesh)
     for name in layout.block_replicated:
@@ -199,18 +203,21 @@ def split_tokens(layer: nn.Module, tp_mesh, sp: bool) -> None:
     layer.register_forward_pre_hook(take_share)
     if not sp:  # under sequence parallel the residual stream stays split: the shares go on as they are
         layer.register_forward_hook(gather_shares)
-    replicate_only_over(layer, (DP_SHARD, CP, TP))
+    replicate_only_over(layer, TOKEN_SPLIT_REPLICAS)
 
 
-def gather_stream_on_entry(region: nn.Module, tp_mesh) -> None:
-    """All-gather the sequence-split residual stream (the region's first argument) once as it enters a
-    sub-layer, not once per projection; other arguments (RoPE tables, masks) pass untouched."""
-    def gather(module, args):
+def enter_whole(region: nn.Module, tp_mesh, sp: bool) -> None:
+    """The residual stream (the region's first argument) enters a sub-layer as one replicated DTensor that all its
+    linears share: under sequence parallel gathered once, not once per projection; in backward the column-wise
+    linears' partial input gradients add up before one reduction (a reduce-scatter, or without sequence parallel an
+    all-reduce), where a plain tensor would have each linear all-reduce its own. Other arguments (RoPE tables,
+    masks) pass untouched."""
+    def enter(module, args):
         stream = args[0]  # a DTensor when a sequence-parallel norm produced it
         if not isinstance(stream, DTensor):
-            stream = DTensor.from_local(stream, tp_mesh, [Shard(1)], run_check=False)
-        return (stream.redistribute(placements=[Replicate()]).to_local(), *args[1:])
-    region.register_forward_pre_hook(gather)
+            stream = DTensor.from_local(stream, tp_mesh, [Shard(1) if sp else Replicate()], run_check=False)
+        return (stream.redistribute(placements=[Replicate()]), *args[1:])
+    region.register_forward_pre_hook(enter)
 
 
 def split_by_heads(block: nn.Module, name: str, tp_mesh) -> None:
@@ -242,7 +249,8 @@ def replicate_norm(norm: nn.Module, tp_mesh) -> None:
 
     distribute_module(
         norm, tp_mesh, replicate_params,
-        input_fn=lambda module, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        input_fn=lambda module, inputs, mesh: tuple(x if isinstance(x, DTensor) else
+                                                    DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                                                     for x in inputs),
         output_fn=lambda module, output, mesh: output.to_local())
 
@@ -276,6 +284,8 @@ def estimate_costs(estimate, plugin_config, plan):
     time per operator."""
     degree = plan.degree(TP)
     estimate.weight_split *= degree
+    if plan.model.experts is not None:
+        estimate.sparse_units.append(TOKEN_SPLIT_REPLICAS)
     # Kept whole on every rank: what has the residual stream's shape without sequence parallel (norms, sums),
     # and with it the column-wise linears' inputs, gathered along the sequence (two per block).
     facts = estimate.facts
@@ -321,27 +331,79 @@ def estimate_costs(estimate, plugin_config, plan):
                             "the loss-parallel backward's third float32 tensor of the logits' shape", "tp",
                             when="start")
     estimate.dispatch_cost *= DTENSOR_DISPATCH[plugin_config.sequence_parallel]
-    # Calls per forward and backward as torch runs them (counted by tests/test_planner.py): per block, the
-    # stream's gathers and reduce-scatters (or all-reduces) and the all-reduces of replicated weights' gradients;
-    # the embeddings', the output's and the loss's besides. With sequence parallel the norms' gradients, partial
-    # sums over the sequence, are all-reduced once more when data-parallel sharding reduces them too.
-    per_block, outer = (11, 4) if plugin_config.sequence_parallel else (7, 2)
-    if plugin_config.sequence_parallel and plan.provides(DATA_PARALLEL_SHARDING):
-        per_block, outer = per_block + 2, outer + 1
-    # A checkpointed block runs its forward again in backward, collectives included, up to the last result its
-    # backward needs (torch's early stop): the two gathers and the attention's reduce-scatter, or the attention's
-    # all-reduce; the block's last reduction makes its output, which nothing needs (counted by tests/test_planner.py).
-    # The stream's size moved per call: a gather or a reduce-scatter moves one, an all-reduce two.
-    rerun_calls, rerun_streams = (3, 3) if plugin_config.sequence_parallel else (1, 2)
+    # Calls per forward and backward as torch runs them (counted by tests/test_planner.py), per dense and sparse
+    # block from the layout; the embeddings', the output's and the loss's besides. With sequence parallel the
+    # norms' gradients, partial sums over the sequence, are all-reduced once more when data-parallel sharding
+    # reduces them too.
+    sp = plugin_config.sequence_parallel
+    sharded = plan.provides(DATA_PARALLEL_SHARDING)
+    experts = plan.model.experts
+    blocks = {False: block_collectives(layout, sp, sharded, None)}
+    if experts is not None:
+        blocks[True] = block_collectives(layout, sp, sharded, experts.layer)
+    outer = (4 + sharded * len(layout.final_norms)) if sp else 2
 
-    def recomputing(e) -> int:
-        return sum(e.recomputes(i) for i in e.blocks)
+    def per_block(e, i: int, calls: bool) -> float:
+        block = blocks[bool(e.facts.block_expert_params[i])]
+        if calls:  # a recomputing block stops before the reduction making its output, which nothing needs
+            return block.forward + block.backward + e.recomputes(i) * (block.forward - bool(block.output_streams))
+        return block.forward_streams + block.backward_streams + e.recomputes(i) * (
+            block.forward_streams - block.output_streams)
+
     estimate.add_collective(
         "residual stream gathered and reduced", (TP,),
-        lambda e: (8 * len(e.blocks) + rerun_streams * recomputing(e)) * e.facts.block_input * e.microbatch_tokens
+        lambda e: sum(per_block(e, i, calls=False) for i in e.blocks) * e.facts.block_input * e.microbatch_tokens
         * e.microbatches_per_step() * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp",
-        calls=lambda e: (per_block * len(e.blocks) + rerun_calls * recomputing(e)
+        calls=lambda e: (sum(per_block(e, i, calls=True) for i in e.blocks)
                          + outer * (e.holds_inputs or e.holds_outputs)) * e.microbatches_per_step())
+
+
+@dataclass(frozen=True)
+class BlockCollectives:
+    """One block's collective calls under tp in forward and in backward, and the residual stream's sizes they move
+    (a gather or a reduce-scatter moves one, an all-reduce two); ``output_streams``: those of the reduction making
+    the block's output (0 when a mixture-of-experts layer computing its share of the tokens ends the block)."""
+
+    forward: int
+    backward: int
+    forward_streams: int
+    backward_streams: int
+    output_streams: int
+
+
+def block_collectives(layout: TensorParallelLayout, sp: bool, sharded: bool,
+                      experts_layer: str | None) -> BlockCollectives:
+    """A dense block's collectives, or with ``experts_layer`` a sparse block's, whose layer there splits its
+    tokens instead of its weights."""
+    forward = backward = forward_streams = backward_streams = output_streams = 0
+    reduction = 1 if sp else 2  # a reduce-scatter, or an all-reduce
+    for region in layout.block_regions:
+        if experts_layer is not None and (region == experts_layer or region.startswith(experts_layer + ".")):
+            continue
+        inside = [path for path in layout.block_colwise + layout.block_rowwise + layout.block_replicated
+                  if path.startswith(region + ".")]
+        rowwise = sum(path in layout.block_rowwise for path in inside)
+        # The stream enters gathered (sequence parallel); each row-wise linear's output is reduced, its gradient
+        # gathered back (sequence parallel).
+        forward, forward_streams = forward + sp + rowwise, forward_streams + sp + rowwise * reduction
+        backward, backward_streams = backward + sp * rowwise, backward_streams + sp * rowwise
+        output_streams = reduction if rowwise else 0
+        if any(path in layout.block_replicated for path in inside):
+            # Low-rank attention: whole modules take the stream, whose gradient is then whole on every rank; each
+            # column-wise linear takes a whole module's smaller output and reduces its own input's gradient.
+            backward += sum(path in layout.block_colwise for path in inside)
+        else:  # the column-wise linears' partial input gradients, summed, in one reduction
+            backward, backward_streams = backward + 1, backward_streams + reduction
+    # Gradients summed over the ranks' heads; the norms' when a sharder reduces them too (over the heads, and
+    # with sequence parallel over the sequence).
+    backward += len(layout.head_shared) + sharded * (len(layout.head_norms) + sp * len(layout.block_norms))
+    if experts_layer is not None:
+        output_streams = 0
+        if not sp:  # its share taken from the replicated stream, gathered back after (which makes the output)
+            forward, backward, forward_streams, backward_streams = forward + 1, backward + 1, forward_streams + 1, \
+                backward_streams + 1
+            output_streams = 1
+    return BlockCollectives(forward, backward, forward_streams, backward_streams, output_streams)
 
 
 @hookimpl
