@@ -37,6 +37,7 @@ from torch.distributed.pipelining import _utils as pipeline_utils
 from torch.distributed.pipelining import schedules as pipeline_schedules
 from torch.distributed.pipelining import stage as pipeline_stage
 from torch.distributed.tensor import DTensor, _sharding_prop
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring_attention
 
 from titan_core import PP, attention, canonical_name, objective
@@ -237,6 +238,14 @@ def _routing(registry) -> list[ExpertRouting]:
 def _collective(operator) -> bool:  # waits and autograd's wrappers are not calls
     return (operator.namespace in ("c10d", "_c10d_functional")
             and operator.__name__.split(".")[0] not in ("wait_tensor", "_wrap_tensor_autograd"))
+
+
+def forget_meshes() -> None:
+    """Forget the device meshes DTensor cached, once their world is destroyed. A mesh equals another of the same
+    ranks and names whatever its process groups, so a later world in this process would find the sharding
+    propagation's cached results, with the earlier mesh in them, whose group names now point at that world's other
+    groups (a reduce-scatter over a one-rank group: tp's stream left whole after an fsdp 2 x tp 2 world)."""
+    _clear_sharding_prop_cache()
 
 
 def collective_calls(config, registry, plan) -> int:
