@@ -59,8 +59,9 @@ class TensorParallelLayout:
     ``block_norms`` are norms on the residual stream (split along the sequence under sequence parallel, replicated
     otherwise), ``head_norms`` are norms applied per head to a (batch, seq, heads, head_dim) tensor (QK-norm: each
     rank normalizes its own heads), and ``block_regions`` are the sub-modules entered from the residual stream,
-    whose first positional argument is the stream (sequence parallel gathers it there; compile compiles them one by
-    one under TP). On the root: ``embeddings`` are lookup tables split by rows (vocabulary or positions; their input
+    whose first positional argument is the stream: it arrives as a replicated DTensor (gathered there under sequence
+    parallel), which the region passes only to its linears and ``block_replicated`` modules (compile compiles the
+    regions one by one under TP). On the root: ``embeddings`` are lookup tables split by rows (vocabulary or positions; their input
     ids are replicated and their output is the residual stream), ``final_norms`` norms on the stream, ``output`` the
     linear producing the logits (split by vocabulary; loss parallel keeps it split). ``divisible`` maps a config
     field to the count the tp degree must divide (attention heads). Low-rank attention (MLA): ``block_replicated``

@@ -326,6 +326,10 @@ class Estimate:
             return LinearSizes(linear.inputs / inputs, linear.outputs / outputs, linear.weights / self.weight_split)
         return {path: split(path, linear) for path, linear in self.facts.block_linears[index].items()}
 
+    def sparse_blocks(self) -> list[int]:
+        """The indices of this rank's blocks that hold experts (mixture-of-experts blocks)."""
+        return [i for i in self.blocks if self.facts.block_expert_params[i]]
+
     def block_gathered(self, index: int) -> float:
         """Parameters of block ``index`` this rank computes with, once gathered from any sharding: its share of the
         split weights and of the experts."""

@@ -86,15 +86,12 @@ def estimate_costs(estimate, plan):
     def forwards(e, index: int) -> int:  # a checkpointed block exchanges its copies again to recompute
         return 2 if e.recomputes(index) else 1
 
-    def experts_blocks(e) -> list[int]:
-        return [i for i in e.blocks if e.facts.block_expert_params[i]]
-
     def sent(e):  # bytes one rank sends per step: copies out and results back, in each forward and in backward
-        copies = sum((2 * forwards(e, i) + 2) * e.facts.block_expert_input[i] for i in experts_blocks(e))
+        copies = sum((2 * forwards(e, i) + 2) * e.facts.block_expert_input[i] for i in e.sparse_blocks())
         return copies * e.expert_load * e.microbatch_tokens / tp * e.microbatches_per_step() * (degree - 1) / degree
 
     def calls(e):  # per MoE block and micro-batch: each forward's counts, copies and results; backward's two
-        return sum(3 * forwards(e, i) + 2 for i in experts_blocks(e)) * e.microbatches_per_step()
+        return sum(3 * forwards(e, i) + 2 for i in e.sparse_blocks()) * e.microbatches_per_step()
 
     if degree > 1:
         estimate.add_collective("all-to-all of the token copies to their experts and back", (EP,), sent,

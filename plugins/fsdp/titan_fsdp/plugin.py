@@ -163,38 +163,33 @@ def estimate_costs(estimate, plugin_config, plan):
     gathers = (2 if resharded else 1) * micro
     reductions = 1 if plugin_config.reduce_gradients == "last_micro_batch" else micro
 
-    def units(e, sharding: bool = True):
-        """Units sharded over more than one rank (all, or ``sharding=False``: those replicated over more than one):
-        one per block, one for the output layer, one for the rest of the model when the dense ones are, and the
-        modules of mixture-of-experts blocks another plugin split partly (``Estimate.sparse_units``)."""
-        return ((shards > 1 if sharding else True) * (len(e.blocks) + 2)
-                + sum(sparse_blocks(e) * (sharding_ranks(dims) > 1 if sharding else True) for dims in e.sparse_units))
+    def sparse_sharded(e) -> int:
+        # Per mixture-of-experts block, its modules another plugin split partly (Estimate.sparse_units): a unit of
+        # their own each, sharded over the ranks they are whole on (a unit over one rank issues nothing).
+        return sum(math.prod(plan.degree(d) for d in dims) > 1 for dims in e.sparse_units)
 
-    def sparse_blocks(e) -> int:
-        return sum(bool(e.facts.block_expert_params[i]) for i in e.blocks)
-
-    def sharding_ranks(dims) -> int:
-        return math.prod(plan.degree(d) for d in dims)
+    def sharded_units(e):  # one per block, one for the output layer, one for the rest, and the experts' own
+        return (shards > 1) * (len(e.blocks) + 2) + len(e.sparse_blocks()) * sparse_sharded(e)
 
     def gather_calls(e):
         # Backward gathers again every unit but the last block's (its mixture-of-experts units too) and the
         # output's, never resharded.
-        last_sparse = bool(e.blocks) and bool(e.facts.block_expert_params[e.blocks[-1]])
-        regathered = (shards > 1) * len(e.blocks) + sum(
-            (sparse_blocks(e) - last_sparse) * (sharding_ranks(dims) > 1) for dims in e.sparse_units)
-        return micro * (units(e) + regathered * resharded)
+        sparse = e.sparse_blocks()
+        last_sparse = bool(sparse) and sparse[-1] == e.blocks[-1]
+        regathered = (shards > 1) * len(e.blocks) + (len(sparse) - last_sparse) * sparse_sharded(e)
+        return micro * (sharded_units(e) + regathered * resharded)
 
     estimate.add_collective("all-gather of the weights", (DP_SHARD, CP), lambda e: sent(e, gathers * gathered(e)),
                             overlapped=True, plugin="fsdp", calls=gather_calls)
     estimate.add_collective("reduce-scatter of the gradients", (DP_SHARD, CP),
                             lambda e: sent(e, reductions * e.held_gathered() * reduce_bytes),
-                            overlapped=True, plugin="fsdp", calls=lambda e: reductions * units(e))
+                            overlapped=True, plugin="fsdp", calls=lambda e: reductions * sharded_units(e))
     replicas = plan.degree(DP_REPLICATE)
     if replicas > 1:
         estimate.add_collective("all-reduce of the gradient shards", (DP_REPLICATE,),
                                 lambda e: 2 * reductions * e.held_gathered() / shards * reduce_bytes
                                 * (replicas - 1) / replicas, overlapped=True, plugin="fsdp",
-                                calls=lambda e: reductions * units(e, sharding=False))
+                                calls=lambda e: reductions * (len(e.blocks) + 2 + len(e.sparse_blocks()) * len(e.sparse_units)))
 
     def unreduced(e):
         # Whole until the last micro-batch's reduce-scatter makes its shard and frees it: at the peak the whole

@@ -133,7 +133,7 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
     """Split the block's weights as the layout says, except inside ``experts_layer`` (a mixture-of-experts
     sub-layer, present in sparse blocks only), whose tokens are split instead."""
     def weights_split(name: str) -> bool:
-        return experts_layer is None or not (name == experts_layer or name.startswith(experts_layer + "."))
+        return not within(name, experts_layer)
 
     stream = Shard(1) if sp else Replicate()
     plan = {name: OwnColwise() for name in layout.block_colwise if weights_split(name)}
@@ -156,6 +156,11 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
         split_by_heads(block, name, tp_mesh)
     if experts_layer is not None:
         split_tokens(block.get_submodule(experts_layer), tp_mesh, sp)
+
+
+def within(path: str, module: str | None) -> bool:
+    """Whether ``path`` (within a block) is ``module`` or below it."""
+    return module is not None and (path == module or path.startswith(module + "."))
 
 
 class SplitsOwnWeights:
@@ -343,19 +348,16 @@ def estimate_costs(estimate, plugin_config, plan):
         blocks[True] = block_collectives(layout, sp, sharded, experts.layer)
     outer = (4 + sharded * len(layout.final_norms)) if sp else 2
 
-    def per_block(e, i: int, calls: bool) -> float:
-        block = blocks[bool(e.facts.block_expert_params[i])]
-        if calls:  # a recomputing block stops before the reduction making its output, which nothing needs
-            return block.forward + block.backward + e.recomputes(i) * (block.forward - bool(block.output_streams))
-        return block.forward_streams + block.backward_streams + e.recomputes(i) * (
-            block.forward_streams - block.output_streams)
+    def each_block(e):
+        sparse = set(e.sparse_blocks())
+        return ((blocks[i in sparse], e.recomputes(i)) for i in e.blocks)
 
     estimate.add_collective(
         "residual stream gathered and reduced", (TP,),
-        lambda e: sum(per_block(e, i, calls=False) for i in e.blocks) * e.facts.block_input * e.microbatch_tokens
-        * e.microbatches_per_step() * (degree - 1) / degree, overlapped=plugin_config.async_tp, plugin="tp",
-        calls=lambda e: (sum(per_block(e, i, calls=True) for i in e.blocks)
-                         + outer * (e.holds_inputs or e.holds_outputs)) * e.microbatches_per_step())
+        lambda e: sum(block.streams(recomputes) for block, recomputes in each_block(e)) * e.facts.block_input
+        * e.microbatch_tokens * e.microbatches_per_step() * (degree - 1) / degree, overlapped=plugin_config.async_tp,
+        plugin="tp", calls=lambda e: (sum(block.calls(recomputes) for block, recomputes in each_block(e))
+                                      + outer * (e.holds_inputs or e.holds_outputs)) * e.microbatches_per_step())
 
 
 @dataclass(frozen=True)
@@ -370,6 +372,14 @@ class BlockCollectives:
     backward_streams: int
     output_streams: int
 
+    # A checkpointed block runs its forward again in backward, collectives included, up to the last result its
+    # backward needs (torch's early stop): all but a reduction making the block's output, which nothing needs.
+    def calls(self, recomputes: bool) -> int:
+        return self.forward + self.backward + recomputes * (self.forward - bool(self.output_streams))
+
+    def streams(self, recomputes: bool) -> int:
+        return self.forward_streams + self.backward_streams + recomputes * (self.forward_streams - self.output_streams)
+
 
 def block_collectives(layout: TensorParallelLayout, sp: bool, sharded: bool,
                       experts_layer: str | None) -> BlockCollectives:
@@ -378,31 +388,29 @@ def block_collectives(layout: TensorParallelLayout, sp: bool, sharded: bool,
     forward = backward = forward_streams = backward_streams = output_streams = 0
     reduction = 1 if sp else 2  # a reduce-scatter, or an all-reduce
     for region in layout.block_regions:
-        if experts_layer is not None and (region == experts_layer or region.startswith(experts_layer + ".")):
+        if within(region, experts_layer):
             continue
-        inside = [path for path in layout.block_colwise + layout.block_rowwise + layout.block_replicated
-                  if path.startswith(region + ".")]
-        rowwise = sum(path in layout.block_rowwise for path in inside)
+        rowwise = sum(within(path, region) for path in layout.block_rowwise)
         # The stream enters gathered (sequence parallel); each row-wise linear's output is reduced, its gradient
         # gathered back (sequence parallel).
         forward, forward_streams = forward + sp + rowwise, forward_streams + sp + rowwise * reduction
         backward, backward_streams = backward + sp * rowwise, backward_streams + sp * rowwise
         output_streams = reduction if rowwise else 0
-        if any(path in layout.block_replicated for path in inside):
+        if any(within(path, region) for path in layout.block_replicated):
             # Low-rank attention: whole modules take the stream, whose gradient is then whole on every rank; each
             # column-wise linear takes a whole module's smaller output and reduces its own input's gradient.
-            backward += sum(path in layout.block_colwise for path in inside)
+            backward += sum(within(path, region) for path in layout.block_colwise)
         else:  # the column-wise linears' partial input gradients, summed, in one reduction
             backward, backward_streams = backward + 1, backward_streams + reduction
     # Gradients summed over the ranks' heads; the norms' when a sharder reduces them too (over the heads, and
     # with sequence parallel over the sequence).
     backward += len(layout.head_shared) + sharded * (len(layout.head_norms) + sp * len(layout.block_norms))
     if experts_layer is not None:
-        output_streams = 0
-        if not sp:  # its share taken from the replicated stream, gathered back after (which makes the output)
-            forward, backward, forward_streams, backward_streams = forward + 1, backward + 1, forward_streams + 1, \
-                backward_streams + 1
-            output_streams = 1
+        # Its share of the tokens ends the block. Without sequence parallel it takes the share from the replicated
+        # stream (gathering the gradients' shares back in backward) and gathers the results, which make the output.
+        output_streams = 0 if sp else 1
+        forward, forward_streams = forward + (not sp), forward_streams + (not sp)
+        backward, backward_streams = backward + (not sp), backward_streams + (not sp)
     return BlockCollectives(forward, backward, forward_streams, backward_streams, output_streams)
 
 
