@@ -65,6 +65,7 @@ def _on_rank0(measure, config, registry, plan, *args):
         return measure(config, registry, plan, *args)
     finally:
         dist.destroy_process_group()
+        tracked_rank.forget_meshes()
 
 
 def _each_rank_tracked(overrides, tmp_path):
@@ -254,9 +255,11 @@ def test_a_mixture_of_experts_is_planned_within_2_percent_of_torchs_tracker_at_t
      "plugins.ac.mode=full"),
     ("model=gpt_oss_tiny", "+plugins=[fsdp,tp,ac]", "plugins.fsdp.degree=1", "plugins.tp.degree=2",
      "plugins.tp.sequence_parallel=false", "plugins.ac.mode=full"),
+    ("model=qwen3_moe_tiny", "+plugins=[fsdp,tp]", "plugins.fsdp.degree=1", "plugins.fsdp.replicate_degree=2",
+     "plugins.tp.degree=2"),
 ], ids=["tp", "tp-no-sp", "fsdp", "fsdp-grad-accum", "fsdp-grad-accum-reduce-last", "hsdp", "fsdp-tp", "simplefsdp",
         "tp-full-ac", "tp-selective-ac", "tp-no-sp-full-ac", "fsdp-tp-every-2nd-block", "qwen3-head-norms-fsdp-1",
-        "gpt-oss-fsdp-tp", "gpt-oss-fsdp-tp-full-ac", "gpt-oss-tp-no-sp-full-ac"])
+        "gpt-oss-fsdp-tp", "gpt-oss-fsdp-tp-full-ac", "gpt-oss-tp-no-sp-full-ac", "qwen3-moe-hsdp-tp"])
 def test_collective_calls_are_those_torch_issues(overrides):
     """Each call pays the link's latency: a plugin's stated calls per step are those its rank 0 issues, a
     checkpointed block's again as it recomputes (tp's three calls of the four its forward makes with sequence
@@ -844,23 +847,25 @@ def test_expert_parallel_gathers_only_its_experts_and_waits_for_the_all_to_all()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ac, repeated", [((), 0), (("plugins.ac.mode=full",), 4),
-                                          (("plugins.ac.mode=selective_layer", "plugins.ac.every=2"), 2)],
-                         ids=["no-ac", "full", "every-2nd-block"])
-def test_expert_parallel_calls_are_those_its_ranks_issue(ac, repeated, tmp_path):
-    """fsdp 2 x ep 2 on gpt-oss, each rank of a real two-rank world counting what it issues (an all-to-all's sizes
-    come from the other rank, which a fake group cannot make up): every collective call counted, and a
-    checkpointed block's three exchanges made again as it recomputes its forward (uncounted before: 3 per
-    recomputed block and micro-batch fewer than issued)."""
-    overrides = (*SMALL, "model=gpt_oss_tiny", "launch.device=cpu", "launch.world_size=2", "plugins.fsdp.degree=2",
-                 "plugins.ep.degree=2", f"+plugins=[fsdp,ep{',ac' if ac else ''}]", *ac)
+@pytest.mark.parametrize("world, ac, repeated", [(2, (), 0), (2, ("plugins.ac.mode=full",), 4),
+                                                 (2, ("plugins.ac.mode=selective_layer", "plugins.ac.every=2"), 2),
+                                                 (4, (), 0)],
+                         ids=["no-ac", "full", "every-2nd-block", "experts-sharded-over-2"])
+def test_expert_parallel_calls_are_those_its_ranks_issue(world, ac, repeated, tmp_path):
+    """fsdp x ep 2 on gpt-oss, each rank of a real world counting what it issues (an all-to-all's sizes come from
+    the other rank, which a fake group cannot make up): every collective call counted, and a checkpointed block's
+    three exchanges made again as it recomputes its forward (uncounted before: 3 per recomputed block and
+    micro-batch fewer than issued). On 4 ranks the experts are sharded over the 2 that ep leaves, units of their
+    own that fsdp gathers and reduces (Estimate.sparse_units; 11 calls a step uncounted before)."""
+    overrides = (*SMALL, "model=gpt_oss_tiny", "launch.device=cpu", f"launch.world_size={world}",
+                 f"plugins.fsdp.degree={world}", "plugins.ep.degree=2", f"+plugins=[fsdp,ep{',ac' if ac else ''}]", *ac)
     config, registry, plan, result = _estimate(*overrides)
     [all_to_all] = [c for c in result.collectives if c.plugin == "ep"]
     assert result.collective_calls(all_to_all) == (5 * 4 + 3 * repeated) * result.microbatches_per_step()
-    ranks = subprocess.run([sys.executable, tracked_rank.__file__, "2", str(tmp_path), "--calls", *overrides],
+    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(world), str(tmp_path), "--calls", *overrides],
                            timeout=300, capture_output=True, text=True)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
-    for rank in range(2):
+    for rank in range(world):
         issued = json.loads((tmp_path / f"rank{rank}.json").read_text())["calls"]
         assert sum(result.collective_calls(c) for c in result.collectives) == issued, (rank, issued)
 
@@ -1589,6 +1594,48 @@ def test_an_outsiders_attention_exchange_is_paid_again_only_where_attention_is_r
     line = next(line for line in done.stdout.splitlines() if "keys and values to the mirror" in line)
     number, unit = line.split(": ")[-1].split()[:2]
     assert float(number) * {"MiB": 2**20, "KiB": 2**10}[unit] == pytest.approx(runs * once, abs=0.006 * 2**10)
+
+
+# Written from docs/writing-plugins.md's paragraph on mixture-of-experts units: a module of a sparse block marked
+# replicate_only_over, and the dimensions it names told to the planner.
+EXPERTS_UNIT = '''
+from titan_core import DP_SHARD, Declaration, hookimpl, replicate_only_over
+
+
+@hookimpl
+def declare():
+    return Declaration(stage=400)
+
+
+@hookimpl
+def apply_parallelism(model_parts, plan):
+    """expertsunit: each block's experts a data-parallel unit of their own, over the dp_shard ranks."""
+    for part in model_parts:
+        for block in plan.model.blocks_of(part).values():
+            experts = plan.model.experts_of(block)
+            if experts is not None:
+                replicate_only_over(experts, (DP_SHARD,))
+
+
+@hookimpl
+def estimate_costs(estimate):
+    """expertsunit: the sharder's units the experts make."""
+    estimate.sparse_units.append((DP_SHARD,))
+'''
+
+
+def test_an_outsiders_expert_units_are_gathered_and_reduced_as_planned(tmp_path, monkeypatch):
+    """A plugin written from docs/writing-plugins.md makes each block's experts a unit of the sharder's own and
+    says so in Estimate.sparse_units, knowing no fsdp: under fsdp 2 on gpt-oss (4 sparse blocks) the calls rank 0
+    issues are those planned, 7 gathers and 4 reduce-scatters more than fsdp alone."""
+    install_plugins(tmp_path / "site", {"expertsunit": (EXPERTS_UNIT, "")}, "expertsunit-plugin")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    job = ("launch.device=cpu", "model=gpt_oss_tiny", "plugins.fsdp.degree=2")
+    *_, alone = _estimate(*job, "+plugins=[fsdp]")
+    config, registry, plan, result = _estimate(*job, "+plugins=[fsdp,expertsunit]")
+    planned = sum(result.collective_calls(c) for c in result.collectives)
+    assert planned == sum(alone.collective_calls(c) for c in alone.collectives) + 7 + 4
+    assert _on_rank0(tracked_rank.collective_calls, config, registry, plan) == planned
 
 
 MOMENTUM = '''
