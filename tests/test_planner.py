@@ -193,6 +193,43 @@ def test_float8s_casts_move_the_rooflines_bytes_of_the_linears_it_converts(recip
     assert evaluated(nbytes, result) == pytest.approx(expected, rel=1e-6)
 
 
+def _llama3_8b_tp8_rank(recipe):
+    """The estimate of Llama 3 8B's rank on 64 H100s, FSDP 8 x TP 8 (TorchTitan's June 2025 job), with the float8
+    recipe given (None: bf16), and its step's seconds of matmuls."""
+    float8 = [] if recipe is None else ["float8", f"plugins.float8.recipe={recipe}"]
+    plugins = ",".join(["fsdp", "tp", "compile", *float8[:1]])
+    _, estimate = job_estimate(["--hardware", "h100_sxm_96gb", "model=8B", "launch.world_size=64",
+                                "training.seq_len=8192", "training.global_batch_size=96", f"+plugins=[{plugins}]",
+                                "plugins.tp.degree=8", *float8[1:]])
+    rank = estimate.most_loaded()
+    return rank, rank.step_seconds()["matmul"]
+
+
+def test_rowwise_on_an_h100_prices_each_linear_at_the_speedup_measured_for_its_shape():
+    """On an H100 (a profile of the GH100 chip) each rowwise linear's forward and backward take its bf16 time over
+    the table's speed-up at the shape the rank computes it on (M: a micro-batch's tokens, gathered under sequence
+    parallel; K, N: its features after tp 8), its casts included: no cast traffic term. At 8B's shapes under tp 8
+    that is slower than bf16, as TorchTitan measured (3,709 tokens/s against bf16's 4,378); priced at the float8
+    rate plus the casts' bytes, it was planned 7% faster (5,048 against 4,705). Tensorwise, with no table, keeps
+    the rate and the casts."""
+    from titan_float8.measured import H100_ROWWISE, speedup
+
+    _, bf16_matmul = _llama3_8b_tp8_rank(None)
+    rowwise, rowwise_matmul = _llama3_8b_tp8_rank("rowwise")
+    tensorwise, tensorwise_matmul = _llama3_8b_tp8_rank("tensorwise")
+    assert not rowwise.traffic_terms and [t[2] for t in tensorwise.traffic_terms] == ["float8"]
+    dim, kv, hidden, tokens = 4096, 1024, 14336, 12 * 8192
+    shapes = [(dim, dim / 8), (dim, kv / 8), (dim, kv / 8), (dim / 8, dim), (dim, hidden / 8), (dim, hidden / 8),
+              (hidden / 8, dim)]  # (K, N) of wq, wk, wv, wo, w1, w3, w2 on a rank
+    ratio = (sum(k * n / speedup(H100_ROWWISE, tokens, k, n) for k, n in shapes)
+             / sum(k * n for k, n in shapes))
+    assert 1.3 < ratio < 1.4  # slower than bf16 at these shapes
+    linear_share = 6 * 32 * sum(k * n for k, n in shapes) * 8 / rowwise.plan.model.flops_per_token(8192)
+    # (the plugin's share counts the blocks' norms' weights too: 5e-6 of it)
+    assert rowwise_matmul / bf16_matmul == pytest.approx((1 - linear_share) + linear_share * ratio, rel=1e-4)
+    assert tensorwise_matmul < bf16_matmul
+
+
 @pytest.mark.parametrize("overrides", [
     ("+plugins=[tp,float8]", "plugins.tp.degree=2"),
     ("+plugins=[tp,float8]", "plugins.tp.degree=2", "plugins.tp.sequence_parallel=false"),
@@ -1868,19 +1905,16 @@ def test_each_cards_efficiency_predicts_its_other_published_runs():
 def test_the_seeds_h100s_other_published_runs_are_planned_near_what_they_did():
     """TorchTitan's other runs on the seeds' H100s (bench/planner_vs_seeds.py's CARDS on h100_sxm_96gb: 405B with
     FSDP 16 x TP 8 on 128 GPUs, August 2024; 70B and 8B with TP 8, June 2025), which set nothing: tokens/s within
-    20% (8B's +14% and +27% before a checkpointed block's tp collectives were counted again as it recomputes), but
-    float8 rowwise under tp, which ran as slowly as bf16 or slower (torchtitan#1207: at those split shapes its
-    casts and small matmuls cost what float8 saves), planned faster than it ran (+19%, +36%, and +30%, +54% before
-    each linear's casts were counted at the sizes tp leaves it: the planner prices float8's matmuls at one rate
-    whatever their shapes). The job published as out of memory, 405B with FSDP alone on 128 GPUs, does not fit."""
+    15% (8B's +14% and +27% before a checkpointed block's tp collectives were counted again as it recomputes).
+    float8 rowwise under tp ran as slowly as bf16 (70B) or slower (8B): priced at one float8 rate whatever the
+    shapes, it was planned +19% and +36% fast; each linear at torchao's speed-up measured for its shape, -9% and
+    +9%, beside their bf16 rows' -10% and +7%. The job published as out of memory, 405B with FSDP alone on 128
+    GPUs, does not fit."""
     rows = [row for row in published.CARDS if row[0] == published.HARDWARE]
     assert len(rows) == 8
     for card, name, overrides, tps, _ in rows:
         got, _, _ = published.predicted(overrides, card)
-        if name.endswith("float8 rowwise"):
-            assert got > tps * 1.15, (name, got, tps)
-        else:
-            assert abs(got / tps - 1) < 0.2, (name, got, tps)
+        assert abs(got / tps - 1) < 0.15, (name, got, tps)
     [(card, _, overrides)] = published.OUT_OF_MEMORY
     assert published.predicted(overrides, card)[1] > hardware_profile(card).usable_gib
 

@@ -122,7 +122,7 @@ class Estimate:
     recomputing in backward holds beside what it keeps).
 
     Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
-    ``matmul_speedup`` (float8), ``elementwise_passes`` (times each activation crosses device memory in a
+    ``matmul_speedup`` (float8; a number or a function of the estimate), ``elementwise_passes`` (times each activation crosses device memory in a
     step: recomputation adds to it), ``fusion`` (the share of that traffic left once a compiler fuses
     the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules),
     ``dispatch_cost`` (the host's time per operator relative to eager PyTorch's: DTensor's sharding propagation
@@ -184,7 +184,7 @@ class Estimate:
     expert_load_peak: float | None = None
     expert_copies_held: float = 0.0
     recomputed_fraction: float = 0.0
-    matmul_speedup: float = 1.0
+    matmul_speedup: float | Callable[[Estimate], float] = 1.0
     elementwise_passes: float = 4.0
     fusion: float = 1.0
     bubble: float = 0.0
@@ -607,7 +607,8 @@ class Estimate:
     def step_seconds(self) -> dict[str, float]:
         """Seconds of one optimizer step on one rank, by part, and the total."""
         hardware = self.hardware
-        matmul = ((self.step_flops() * (1 + self.recomputed_fraction) + self.uneven_expert_flops()) / self.matmul_speedup
+        matmul = ((self.step_flops() * (1 + self.recomputed_fraction) + self.uneven_expert_flops())
+                  / evaluated(self.matmul_speedup, self)
                   + evaluated(self.optimizer_flops, self)) / (hardware.matmul_tflops() * 1e12)
         facts = self.facts
         produced = (sum(self.saved(i, self.expert_load) for i in self.blocks)

@@ -37,6 +37,7 @@ H100_FP8_ACHIEVABLE = 0.40
 # Of a device's memory, what a plan may fill: the rest goes to the CUDA context, the kernels' workspaces and
 # the caching allocator's fragmentation, none of which the planner counts.
 USABLE_SHARE = 0.9
+GH100 = "gh100"  # the H100s' and the H200's die
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Hardware:
     op_overhead_us: float = 10.0
     device_type: str = "cuda"  # what torch calls it: the dtypes plugins choose follow it (bf16 on GPUs)
     cores: int | None = None  # CPU profiles, measured on one thread: the cores a node's workers share
+    chip: str = ""  # the die, for measurements made on another card with it: plugins' tables are keyed by it
 
     @property
     def usable_gib(self) -> float:
@@ -78,13 +80,15 @@ class Hardware:
 
 PROFILES = (
     Hardware("h100_sxm", r"NVIDIA H100 80GB HBM3|NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 79.6,
-             fp8_achievable=H100_FP8_ACHIEVABLE),
+             fp8_achievable=H100_FP8_ACHIEVABLE, chip=GH100),
     # The H100 SXM with 96 GB of HBM2e (2.4 TB/s) that TorchTitan's published Llama 3.1 tables ran on.
     Hardware("h100_sxm_96gb", r"NVIDIA H100 SXM5 96GB|NVIDIA H100 96GB HBM2e", 989.4, 1978.9, 94.5, 2400.0,
-             fp8_achievable=H100_FP8_ACHIEVABLE),
-    Hardware("h100_pcie", r"NVIDIA H100 PCIe", 756.0, 1513.0, 79.6, 2000.0, 64.0, fp8_achievable=H100_FP8_ACHIEVABLE),
-    Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5, 1670.9, 93.0, 3900.0, 300.0, fp8_achievable=H100_FP8_ACHIEVABLE),
-    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0, fp8_achievable=H100_FP8_ACHIEVABLE),  # H100's die
+             fp8_achievable=H100_FP8_ACHIEVABLE, chip=GH100),
+    Hardware("h100_pcie", r"NVIDIA H100 PCIe", 756.0, 1513.0, 79.6, 2000.0, 64.0, fp8_achievable=H100_FP8_ACHIEVABLE,
+             chip=GH100),
+    Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5, 1670.9, 93.0, 3900.0, 300.0, fp8_achievable=H100_FP8_ACHIEVABLE,
+             chip=GH100),
+    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0, fp8_achievable=H100_FP8_ACHIEVABLE, chip=GH100),
     # TorchTitan's Llama 3 8B FSDP job on 64 A100s, selective op checkpointing (docs/performance.md, April 2024).
     Hardware("a100", r"NVIDIA A100-SXM4-(40|80)GB|NVIDIA A100-PCIE-40GB|NVIDIA A100 80GB PCIe", 312.0, None, 79.2,
              2039.0, 300.0, 25.0, achievable=0.64),

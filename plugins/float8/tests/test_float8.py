@@ -13,7 +13,7 @@ from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
 from titan_core.testing import TINY, run_job
-from titan_float8 import plugin
+from titan_float8 import measured, plugin
 
 TINY_ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264, multiple_of=32, max_seq_len=32)
 BLOCK_LINEARS = {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -118,3 +118,15 @@ def test_refused_before_launch(tmp_path, overrides, message):
     result = run_job([*TINY, "+plugins=[float8]", *overrides], tmp_path / "run", expect_success=False)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_measured_table_reads_back_its_shapes_and_interpolates_in_their_logarithms():
+    """A measured shape reads back its cell; a shape halfway (geometrically) between two reads their mean; shapes
+    beyond the table read its edge."""
+    table = measured.H100_ROWWISE
+    assert measured.speedup(table, 32768, 4096, 1024) == pytest.approx(0.59)
+    assert measured.speedup(table, 8192, 16384, 2048) == pytest.approx(0.82)
+    assert measured.speedup(table, 8192, 4096, 2 ** 12.5) == pytest.approx((1.00 + 1.13) / 2)
+    assert measured.speedup(table, 2 ** 13.5, 2 ** 12.5, 4096) == pytest.approx((1.00 + 1.05 + 1.02 + 1.08) / 4)
+    assert measured.speedup(table, 131072, 4096, 128) == pytest.approx(0.59)
+

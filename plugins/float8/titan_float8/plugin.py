@@ -17,7 +17,8 @@ import logging
 import torch
 from torch import nn
 
-from titan_core import DATA_PARALLEL_SHARDING, ConfigError, Declaration, canonical_name, hookimpl
+from titan_core import DATA_PARALLEL_SHARDING, ConfigError, Declaration, canonical_name, evaluated, hookimpl
+from titan_float8.measured import SPEEDUPS, speedup
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")
@@ -142,23 +143,40 @@ def after_optimizer_step(model_parts, plugin_config):
 
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
-    """float8: the blocks' matmuls (rowwise_with_gw_hp: two of each linear's three) at the float8 rate the hardware
-    reaches, the casts' memory traffic as the recipe's kernels move it, and float8 weights in FSDP's all-gather
-    when fsdp_float8_all_gather is on (each rank then casts its shard of the weights, before the gather); under the
-    core's autocast, no copy of the blocks' weights in the compute dtype."""
+    """float8: the blocks' matmuls (rowwise_with_gw_hp: two of each linear's three) at the speed-up measured for
+    each linear's shape on the card's chip where a table exists (H100s' rowwise, casts included), else at the
+    float8 rate the hardware reaches plus the casts' memory traffic as the recipe's kernels move it; float8 weights
+    in FSDP's all-gather when fsdp_float8_all_gather is on (each rank then casts its shard of the weights, before
+    the gather); under the core's autocast, no copy of the blocks' weights in the compute dtype."""
     hardware = estimate.hardware
     if estimate.device_type == "cuda" and not hardware.fp8_tflops:
         raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
                           "remove float8 from +plugins=[...], or plan for hardware that has them (h100, h200, ...)")
+    estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
+    if plugin_config.fsdp_float8_all_gather:
+        estimate.gather_bytes = 1
+    measured = SPEEDUPS.get(plugin_config.recipe, {}).get(hardware.chip)
     if hardware.fp8_tflops:
         linear = 6 * sum(estimate.facts.block_params) / plan.model.flops_per_token(estimate.seq_len)
         # rowwise_with_gw_hp leaves the weight gradient's matmul, one of each linear's three, in high precision.
         share = min(linear, 1.0) * (2 / 3 if plugin_config.recipe == "rowwise_with_gw_hp" else 1)
-        estimate.matmul_speedup /= (1 - share) + share * hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
+        rate_ratio = hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
+        earlier = estimate.matmul_speedup
+
+        def matmul_speedup(e):
+            # The shapes are the rank's, known once every plugin has split the linears and the tokens.
+            time_ratio = rate_ratio if measured is None else measured_time_ratio(e, measured)
+            return evaluated(earlier, e) / ((1 - share) + share * time_ratio)
+        estimate.matmul_speedup = matmul_speedup
+    if measured is None:
+        estimate.add_traffic(cast_traffic(plugin_config), f"casts to float8 ({plugin_config.recipe})", "float8")
+
+
+def cast_traffic(plugin_config):
+    """The bytes a step's casts to float8 move through device memory, as a function of the estimate."""
     inputs, gradients, weights = CAST_BYTES.get(plugin_config.recipe, MXFP8_CAST_BYTES)
     rescaled = RESCALED_OUTPUT_BYTES.get(plugin_config.recipe, 0)
     gathered_cast = not plugin_config.fsdp_float8_all_gather
-    estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
 
     def cast_bytes(e):
         # Each linear casts what it computes on: under tensor parallel a column-wise one its gathered input, a
@@ -169,9 +187,18 @@ def estimate_costs(estimate, plugin_config, plan):
         linear_weights = sum(linear.weights for linear in linears)
         casts = weights * linear_weights / (1 if gathered_cast else e.state_shards)
         return (activations + casts + rescaled * linear_weights) * e.microbatches_per_step()
-    estimate.add_traffic(cast_bytes, f"casts to float8 ({plugin_config.recipe})", "float8")
-    if plugin_config.fsdp_float8_all_gather:
-        estimate.gather_bytes = 1
+    return cast_bytes
+
+
+def measured_time_ratio(estimate, table) -> float:
+    """The rank's block linears' float8 time over their bfloat16 time, each linear at the table's speed-up for
+    its shape (M: a micro-batch's tokens on the rank; K, N: its input and result features there), weighted by
+    its matmuls' share."""
+    tokens = estimate.microbatch_tokens
+    linears = [linear for i in estimate.blocks for linear in estimate.rank_linears(i).values()]
+    work = sum(linear.inputs * linear.outputs for linear in linears)
+    return sum(linear.inputs * linear.outputs / speedup(table, tokens, linear.inputs, linear.outputs)
+               for linear in linears) / work
 
 
 @hookimpl
