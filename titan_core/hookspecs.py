@@ -92,7 +92,9 @@ def estimate_costs(estimate: Estimate, config: DictConfig, plugin_config: DictCo
     """Change one rank's estimated memory and step time as this plugin's technique changes them.
 
     Runs in ``python -m titan_core.planner`` and the dry run, in the launching process, once per enabled
-    plugin in plan order, before anything is built. A plugin without it is reported as not counted.
+    plugin in plan order, then for the model plugin, before anything is built. An enabled plugin without it is
+    reported as not counted; a model plugin needs it only for what its own hooks run besides the model, which
+    the planner traces (:class:`titan_core.ExpertRouting`: its balancing all-reduce after each step).
 
     :param estimate: The ledger (:class:`titan_core.Estimate`), starting as the model alone on one process:
         change the fields the technique changes and add its own collectives and buffers (``add_collective``,

@@ -202,6 +202,16 @@ class ExpertRouting:
         return self.micro_batch_loads.measuring(model_parts)
 
     @hookimpl
+    def estimate_costs(self, estimate, plan) -> None:
+        """A MoE model: with router_bias_update_rate, the all-reduce of every block's expert counts over every rank
+        after each optimizer step (the load metrics' all-reduces, on logging steps only, are not counted)."""
+        args = plan.model.args
+        if args.router_bias_update_rate:
+            estimate.add_collective("all-reduce of the experts' token counts", tuple(plan.mesh_shape),
+                                    4 * args.num_hidden_layers * args.num_experts, overlapped=False,
+                                    plugin=plan.model.family, calls=1)
+
+    @hookimpl
     def after_optimizer_step(self, model_parts, plan) -> None:
         """A MoE model: with router_bias_update_rate, move each expert's routing bias toward an even load."""
         update_routing_bias(model_parts, plan)

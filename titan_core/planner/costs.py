@@ -30,7 +30,8 @@ def _converted(build, conversions: list, **kwargs):
 
 def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced: dict | None = None,
              expert_load: float = 1.0, expert_load_peak: float | None = None) -> Estimate:
-    """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order.
+    """One rank's estimate: the model alone, then each enabled plugin's ``estimate_costs`` in plan order, then the
+    model plugin's.
     ``traced`` keeps the model's facts by dtype and conversions (and the optimizer's traffic) between estimates
     of the same model, sequence length and attention mask; ``expert_load`` and ``expert_load_peak``:
     :attr:`Estimate.expert_load` and :attr:`Estimate.expert_load_peak` (the plan command's ``--expert-load`` and
@@ -87,6 +88,9 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
                 result.counted.append(name)
             else:
                 result.not_counted.append(name)
+        # Last, as in every ordered hook: the model plugin, for what its own hooks run besides the model (the
+        # trace counts the model itself, so a model plugin without it is not "not counted").
+        hooks.call(registry.model, "estimate_costs", estimate=result, config=config)
         return result
 
     result = costed({})
