@@ -142,7 +142,8 @@ class ModelDescription:
       ``position_buffers``: root buffers indexed by position along their first dimension (RoPE tables, position
       ids), which context parallel splits like the tokens so each shard sees its global positions; () for none.
       ``init_buffers(part)``: fills a model part's non-persistent buffers after ``to_empty``.
-      ``float8_skip``: canonical-name fragments of linears float8 must leave in high precision.
+      ``float8_skip``: fragments of linears' canonical names, whole dotted parts (``mlp.gate`` matches
+      ``layers.3.mlp.gate``, not ``mlp.gate_proj``), that float8 must leave in high precision.
       ``logits``: the root ``nn.Linear`` (no bias, one of ``outputs``) that maps the final hidden state to the
       vocabulary: a loss computing the logits itself (chunked cross entropy) swaps it for a pass-through of its weight.
       ``experts``: an :class:`ExpertsLayout` (mixture-of-experts models). ``hf``: an :class:`HFAdapter`.

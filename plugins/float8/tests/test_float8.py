@@ -55,6 +55,16 @@ def test_user_filter_and_untileable_dimensions_stay_high_precision():
     assert not plugin.converts(nn.Linear(64, 48, device="meta"), "layers.0.x", [], 32)  # MXFP8 blocks of 32
 
 
+def test_a_skipped_fragment_names_whole_parts_of_a_linears_name():
+    """A router's "mlp.gate" skips the router, not the dense feed-forward's "mlp.gate_proj" beside it (a substring
+    match left DeepSeek-V3's and Qwen3-MoE's dense blocks' gates in bf16); fragments of several parts still match."""
+    skipped = ("mlp.gate", "attention.wk")
+    assert not plugin.convertible("layers.1.mlp.gate", 64, 16, skipped, 16)
+    assert plugin.convertible("layers.0.mlp.gate_proj", 64, 128, skipped, 16)
+    assert not plugin.convertible("layers.0.attention.wk", 64, 32, skipped, 16)
+    assert plugin.convertible("layers.0.attention.wkv", 64, 32, skipped, 16)
+
+
 # Tensorwise float8 alone is a case of every model's conformance run (titan_core.testing.model_conformance).
 
 

@@ -120,12 +120,17 @@ def convert_mxfp8(model: nn.Module, recipe: str, skipped) -> None:
 
 def converts(module: nn.Module, fqn: str, skipped, multiple: int) -> bool:
     """Whether the Linear ``module`` named ``fqn`` is converted; other modules never are."""
-    if not isinstance(module, nn.Linear):
+    return isinstance(module, nn.Linear) and convertible(canonical_name(fqn), module.in_features,
+                                                         module.out_features, skipped, multiple)
+
+
+def convertible(name: str, in_features: float, out_features: float, skipped, multiple: int) -> bool:
+    """Whether a linear of that name and shape is converted: no skipped fragment names whole dotted parts of it
+    (``mlp.gate``, a router, leaves ``mlp.gate_proj`` alone: a substring match skipped DeepSeek-V3's and
+    Qwen3-MoE's dense feed-forward gates), and the float8 matmul can tile both dimensions."""
+    if any(f".{fragment}." in f".{name}." for fragment in skipped):
         return False
-    name = canonical_name(fqn)
-    if any(fragment in name for fragment in skipped):
-        return False
-    return module.in_features % multiple == 0 and module.out_features % multiple == 0
+    return in_features % multiple == 0 and out_features % multiple == 0
 
 
 @hookimpl
@@ -156,8 +161,11 @@ def estimate_costs(estimate, plugin_config, plan):
     if plugin_config.fsdp_float8_all_gather:
         estimate.gather_bytes = 1
     measured = SPEEDUPS.get(plugin_config.recipe, {}).get(hardware.chip)
+    converted = converted_linears(plan, plugin_config)
     if hardware.fp8_tflops:
-        linear = 6 * sum(estimate.facts.block_params) / plan.model.flops_per_token(estimate.seq_len)
+        weights = sum(linear.weights for i, block in enumerate(estimate.facts.block_linears)
+                      for path, linear in block.items() if converted(estimate, i, path))
+        linear = 6 * weights / plan.model.flops_per_token(estimate.seq_len)  # converted linears' share of the FLOPs
         # rowwise_with_gw_hp leaves the weight gradient's matmul, one of each linear's three, in high precision.
         share = min(linear, 1.0) * (2 / 3 if plugin_config.recipe == "rowwise_with_gw_hp" else 1)
         rate_ratio = hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
@@ -165,14 +173,33 @@ def estimate_costs(estimate, plugin_config, plan):
 
         def matmul_speedup(e):
             # The shapes are the rank's, known once every plugin has split the linears and the tokens.
-            time_ratio = rate_ratio if measured is None else measured_time_ratio(e, measured)
+            time_ratio = rate_ratio if measured is None else measured_time_ratio(e, measured, converted, rate_ratio)
             return evaluated(earlier, e) / ((1 - share) + share * time_ratio)
         estimate.matmul_speedup = matmul_speedup
     if measured is None:
-        estimate.add_traffic(cast_traffic(plugin_config), f"casts to float8 ({plugin_config.recipe})", "float8")
+        estimate.add_traffic(cast_traffic(plugin_config, converted), f"casts to float8 ({plugin_config.recipe})",
+                             "float8")
 
 
-def cast_traffic(plugin_config):
+def converted_linears(plan, plugin_config):
+    """Whether the plugin converts a linear of the trace: a predicate on (estimate, block index, path in the block),
+    judged by the linear's whole shape and its name in the model, as ``converts`` judges modules."""
+    skipped = (*plan.model.float8_skip, *plugin_config.filter_fqns)
+    multiple = 32 if plugin_config.recipe in MXFP8_RECIPES else 16
+
+    def converted(e, index: int, path: str) -> bool:
+        linear = e.facts.block_linears[index][path]
+        return convertible(f"{plan.model.blocks}.{index}.{path}", linear.inputs, linear.outputs, skipped, multiple)
+    return converted
+
+
+def rank_converted(estimate, converted) -> list:
+    """The rank's block linears the plugin converts, as the rank computes them."""
+    return [linear for i in estimate.blocks for path, linear in estimate.rank_linears(i).items()
+            if converted(estimate, i, path)]
+
+
+def cast_traffic(plugin_config, converted):
     """The bytes a step's casts to float8 move through device memory, as a function of the estimate."""
     inputs, gradients, weights = CAST_BYTES.get(plugin_config.recipe, MXFP8_CAST_BYTES)
     rescaled = RESCALED_OUTPUT_BYTES.get(plugin_config.recipe, 0)
@@ -181,7 +208,7 @@ def cast_traffic(plugin_config):
     def cast_bytes(e):
         # Each linear casts what it computes on: under tensor parallel a column-wise one its gathered input, a
         # row-wise one its result's whole gradient (checked against the shapes torchao casts in a real step).
-        linears = [linear for i in e.blocks for linear in e.rank_linears(i).values()]
+        linears = rank_converted(e, converted)
         activations = sum((inputs + rescaled) * linear.inputs + gradients * linear.outputs
                           for linear in linears) * e.microbatch_tokens
         linear_weights = sum(linear.weights for linear in linears)
@@ -190,13 +217,15 @@ def cast_traffic(plugin_config):
     return cast_bytes
 
 
-def measured_time_ratio(estimate, table) -> float:
-    """The rank's block linears' float8 time over their bfloat16 time, each linear at the table's speed-up for
+def measured_time_ratio(estimate, table, converted, otherwise: float) -> float:
+    """The rank's converted linears' float8 time over their bfloat16 time, each linear at the table's speed-up for
     its shape (M: a micro-batch's tokens on the rank; K, N: its input and result features there), weighted by
-    its matmuls' share."""
+    its matmuls' share; ``otherwise`` for a rank without any."""
     tokens = estimate.microbatch_tokens
-    linears = [linear for i in estimate.blocks for linear in estimate.rank_linears(i).values()]
+    linears = rank_converted(estimate, converted)
     work = sum(linear.inputs * linear.outputs for linear in linears)
+    if not work:
+        return otherwise
     return sum(linear.inputs * linear.outputs / speedup(table, tokens, linear.inputs, linear.outputs)
                for linear in linears) / work
 
