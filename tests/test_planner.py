@@ -219,6 +219,31 @@ def test_float8_speeds_up_the_share_of_the_flops_its_converted_linears_run(model
     assert evaluated(result.matmul_speedup, result) == pytest.approx(speedup, rel=1e-9)
 
 
+def test_float8_all_gathers_move_one_byte_for_the_weights_it_converts_only():
+    """With fsdp_float8_all_gather FSDP gathers the converted linears' weights in float8 and the rest (norms,
+    embeddings, the output layer, a mixture of experts' experts) in the compute dtype: on Qwen3-MoE the gathers'
+    bytes fall by the converted weights' share, found among the modules of the converted model. Every gathered
+    weight was priced at one byte (experts and output too: Qwen3-30B-A3B's gathers at half their bytes)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from titan_float8.plugin import convert_modules
+
+    def gathered(result):
+        return next(evaluated(c.bytes, result) for c in result.collectives if c.name == "all-gather of the weights")
+
+    stack = ("model=qwen3_moe_tiny", "launch.world_size=2", "+plugins=[fsdp,float8]")
+    config, _, plan, narrow = _estimate(*stack, "plugins.float8.fsdp_float8_all_gather=true")
+    wide = _estimate(*stack)[3]
+    module = build_meta_model(config, plan.model)
+    convert_modules(module, config.plugins.float8, plan)
+    converted = sum(m.weight.numel() for m in module.modules() if isinstance(m, Float8Linear))
+    total = sum(p.numel() for p in module.parameters())
+    assert 0 < converted < total / 2  # the experts and the embeddings stay in the compute dtype
+    itemsize = wide.compute_dtype.itemsize
+    assert gathered(narrow) / gathered(wide) == pytest.approx((converted + itemsize * (total - converted))
+                                                             / (itemsize * total), rel=1e-6)
+
+
 def _llama3_8b_tp8_rank(recipe):
     """The estimate of Llama 3 8B's rank on 64 H100s, FSDP 8 x TP 8 (TorchTitan's June 2025 job), with the float8
     recipe given (None: bf16), and its step's seconds of matmuls."""

@@ -33,15 +33,15 @@ class ErrorBand:
 
 # bench/planner_vs_seeds.py, 2026-12-05: published runs per card (each card's efficiency set from one or two of
 # them, named in titan_core/planner/hardware.py).
-_H100 = ErrorBand("28 published Llama 3 runs on H100s (20 with memory), bench/planner_vs_seeds.py", 0.054, -0.176,
+_H100 = ErrorBand("28 published Llama 3 runs on H100s (20 with memory), bench/planner_vs_seeds.py", 0.052, -0.173,
                   0.084, 0.249)
 _BY_PROFILE = {
     **{name: _H100 for name in ("h100_sxm", "h100_sxm_96gb", "h100_pcie", "h100_nvl")},
-    "h200": ErrorBand("2 published Llama 3 runs on H200s, bench/planner_vs_seeds.py", 0.069, -0.079, 0.145, -0.153),
+    "h200": ErrorBand("2 published Llama 3 runs on H200s, bench/planner_vs_seeds.py", 0.059, -0.068, 0.145, -0.153),
     "a100": ErrorBand("3 published Llama 3 runs on A100s, one setting its efficiency, bench/planner_vs_seeds.py",
                       None, None, 0.038, -0.081),
     "mi300x": ErrorBand("4 published Llama 3 runs on MI300Xs, two setting its efficiencies, bench/planner_vs_seeds.py",
-                        0.049, -0.063, 0.021, 0.033),
+                        0.046, -0.051, 0.021, 0.033),
     # tests/test_planner.py's 35 plans and pipeline ranks against torch's memory tracker (docs/planner.md), and
     # bench/parallel_step_time.py's 10 plans (one to eight workers), tokens/s as this profile prints them.
     "cpu-measured": ErrorBand("35 plans tracked on this CPU and 10 plans' step times, docs/planner.md", 0.008, -0.030,
@@ -49,7 +49,7 @@ _BY_PROFILE = {
 }
 _BY_DEVICE_TYPE = {
     # Any other GPU: every published row of every card.
-    "cuda": ErrorBand("37 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.055, -0.176,
+    "cuda": ErrorBand("37 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.051, -0.173,
                       0.077, 0.249),
     # Any other CPU profile (one --calibrate wrote fits one process): the same tracked plans, and the tokens/s of
     # bench/parallel_step_time.py's 9 plans of several workers relative to one process.

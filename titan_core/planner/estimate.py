@@ -73,7 +73,9 @@ class Estimate:
     those three fields, which :meth:`each_rank` gives each rank's estimate, its index there as ``rank``; any
     other field that differs by rank is a function of the estimate reading ``e.rank``, so that later plugins
     can wrap it), ``compute_dtype`` (what activations and gathered weights are
-    in), ``gather_bytes`` (bytes per weight element moved by a weight all-gather, None: ``compute_dtype``'s),
+    in), ``gather_bytes`` (bytes per element of the blocks' weights moved by a weight all-gather, a number or a
+    function of the estimate; None: ``compute_dtype``'s; the embeddings and the output layer gather in
+    ``compute_dtype``: :meth:`gathered_weight_bytes`),
     ``casts_block_weights`` (whether the core's autocast copies the blocks' weights into ``compute_dtype`` for
     their products, copies it caches until the micro-batch's backward ends; False: the blocks' linears cast the
     float32 weights themselves, float8's straight to float8).
@@ -159,7 +161,7 @@ class Estimate:
     holds_inputs: bool = True
     holds_outputs: bool = True
     compute_dtype: torch.dtype = torch.float32
-    gather_bytes: float | None = None
+    gather_bytes: float | Callable[[Estimate], float] | None = None
     casts_block_weights: bool = True
     microbatch_rows: int = 1
     sequence_split: int = 1
@@ -353,6 +355,20 @@ class Estimate:
 
     def largest_block_gathered(self) -> float:
         return max((self.block_gathered(i) for i in self.blocks), default=0.0)
+
+    def block_gather_bytes(self) -> float:
+        """Bytes per element of the blocks' weights as an all-gather moves them (``gather_bytes``)."""
+        return self.compute_dtype.itemsize if self.gather_bytes is None else evaluated(self.gather_bytes, self)
+
+    def gathered_weight_bytes(self, blocks: float, outer: float = 0.0) -> float:
+        """Bytes of ``blocks`` elements of the blocks' weights and ``outer`` of the others' (embeddings, output) as
+        gathered."""
+        return blocks * self.block_gather_bytes() + outer * self.compute_dtype.itemsize
+
+    def held_gathered_bytes(self) -> float:
+        """Bytes of what :meth:`held_gathered` counts, as gathered."""
+        blocks = sum(self.block_gathered(i) for i in self.blocks)
+        return self.gathered_weight_bytes(blocks, self.held_gathered() - blocks)
 
     @property
     def microbatch_tokens(self) -> float:

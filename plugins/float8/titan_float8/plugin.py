@@ -11,6 +11,7 @@ their scales are then computed for all layers at once after each optimizer step,
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import logging
 
@@ -158,10 +159,10 @@ def estimate_costs(estimate, plugin_config, plan):
         raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
                           "remove float8 from +plugins=[...], or plan for hardware that has them (h100, h200, ...)")
     estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
-    if plugin_config.fsdp_float8_all_gather:
-        estimate.gather_bytes = 1
     measured = SPEEDUPS.get(plugin_config.recipe, {}).get(hardware.chip)
     converted = converted_linears(plan, plugin_config)
+    if plugin_config.fsdp_float8_all_gather:
+        estimate.gather_bytes = functools.partial(float8_gather_bytes, converted=converted)
     if hardware.fp8_tflops:
         weights = sum(linear.weights for i, block in enumerate(estimate.facts.block_linears)
                       for path, linear in block.items() if converted(estimate, i, path))
@@ -179,6 +180,15 @@ def estimate_costs(estimate, plugin_config, plan):
     if measured is None:
         estimate.add_traffic(cast_traffic(plugin_config, converted), f"casts to float8 ({plugin_config.recipe})",
                              "float8")
+
+
+def float8_gather_bytes(estimate, converted) -> float:
+    """Bytes per element of the rank's blocks' weights as FSDP gathers them: one for its converted linears', the
+    compute dtype's for the rest (norms; a mixture of experts' experts and router, most of its weights)."""
+    wide = estimate.compute_dtype.itemsize
+    blocks = sum(estimate.block_gathered(i) for i in estimate.blocks)
+    narrow = sum(linear.weights for linear in rank_converted(estimate, converted))
+    return (narrow + wide * (blocks - narrow)) / blocks if blocks else wide
 
 
 def converted_linears(plan, plugin_config):

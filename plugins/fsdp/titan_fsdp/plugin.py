@@ -153,9 +153,6 @@ def estimate_costs(estimate, plugin_config, plan):
     resharded = plugin_config.reshard_after_forward == "always" or (
         plugin_config.reshard_after_forward == "default" and not pipelined)
 
-    def gathered(e):  # bytes of the weights one rank holds, as gathered
-        return e.held_gathered() * gathered_bytes(e)
-
     def sent(e, total):
         return total * (shards - 1) / shards
 
@@ -179,7 +176,7 @@ def estimate_costs(estimate, plugin_config, plan):
         regathered = (shards > 1) * len(e.blocks) + (len(sparse) - last_sparse) * sparse_sharded(e)
         return micro * (sharded_units(e) + regathered * resharded)
 
-    estimate.add_collective("all-gather of the weights", (DP_SHARD, CP), lambda e: sent(e, gathers * gathered(e)),
+    estimate.add_collective("all-gather of the weights", (DP_SHARD, CP), lambda e: sent(e, gathers * e.held_gathered_bytes()),
                             overlapped=True, plugin="fsdp", calls=gather_calls)
     estimate.add_collective("reduce-scatter of the gradients", (DP_SHARD, CP),
                             lambda e: sent(e, reductions * e.held_gathered() * reduce_bytes),
@@ -204,8 +201,8 @@ def estimate_costs(estimate, plugin_config, plan):
     # last micro-batch), every shard is made there after the peak, which counts the gradients whole instead.
     ahead = max(plugin_config.prefetch, 1)
     once = pipelined or reductions < micro
-    estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() * gathered_bytes(e) * ahead
-                                              + e.facts.outputs_params / e.weight_split * e.compute_dtype.itemsize),
+    estimate.add_memory("buffers", lambda e: e.gathered_weight_bytes(e.largest_block_gathered() * ahead,
+                                                                     e.facts.outputs_params / e.weight_split),
                         "the all-gathers' stream: a block and the output gathered", "fsdp", when="cached")
 
     def shards_not_made(e):
@@ -217,7 +214,7 @@ def estimate_costs(estimate, plugin_config, plan):
         # torch's pipeline stages keep their FSDP weights gathered after each backward and their gradients
         # unreduced until the last micro-batch's: whole, for every block of the rank. Resharded after forward
         # (always), a backward that follows a forward gathers them again block by block.
-        estimate.add_memory("buffers", lambda e: e.held_gathered() * gathered_bytes(e),
+        estimate.add_memory("buffers", lambda e: e.held_gathered_bytes(),
                             "weights gathered again by backward and kept (pipeline)" if resharded
                             else "weights gathered for the whole step (pipeline)", "fsdp",
                             when="regathered" if resharded else None)
@@ -237,13 +234,13 @@ def estimate_costs(estimate, plugin_config, plan):
             return e.largest_block_gathered() * reduce_bytes
     else:
         def reducing(e):  # the block running backward, those prefetched, the one before reduced
-            return e.largest_block_gathered() * (in_flight * gathered_bytes(e) + reduce_bytes)
+            return e.largest_block_gathered() * (in_flight * e.block_gather_bytes() + reduce_bytes)
     if reductions == micro:
         _add_outer_reductions(estimate, reducing, reduce_bytes, shards,
                               output_counted=plugin_config.reshard_after_forward != "always")
     if plugin_config.reshard_after_forward == "never":
         # Every unit stays gathered from its forward until its backward has run.
-        estimate.add_memory("buffers", gathered, "every unit gathered since forward, until its backward", "fsdp",
+        estimate.add_memory("buffers", lambda e: e.held_gathered_bytes(), "every unit gathered since forward, until its backward", "fsdp",
                             when="unreleased")
         estimate.add_memory("buffers", reducing, "a reduce-scatter", "fsdp", when="blocks")
         return
@@ -251,8 +248,9 @@ def estimate_costs(estimate, plugin_config, plan):
     # (resharded after forward, always, the output is gathered again only once the loss's backward has run);
     # then the block running backward, the ones prefetched, and the gradients of the one before being reduced.
     if plugin_config.reshard_after_forward == "default":
-        estimate.add_memory("buffers", lambda e: (e.largest_block_gathered() + e.facts.outputs_params * e.holds_outputs
-                                                  / e.weight_split) * gathered_bytes(e),
+        estimate.add_memory("buffers", lambda e: e.gathered_weight_bytes(e.largest_block_gathered(),
+                                                                     e.facts.outputs_params * e.holds_outputs
+                                                                     / e.weight_split),
                             "the last block and the output gathered", "fsdp", when="start")
     estimate.add_memory("buffers", reducing, "gathered blocks and a reduce-scatter", "fsdp", when="blocks")
 
@@ -272,7 +270,7 @@ def _add_outer_reductions(estimate, reducing, reduce_bytes: int, shards: int, ou
         whole = e.facts.outputs_params * e.holds_outputs / e.weight_split
         if not whole or e.logits_tokens is not None:  # a chunked loss counts the output's gradient as it sums it
             return 0.0
-        gradient, gathered_output = whole * e.made_gradient_bytes, whole * gathered_bytes(e)
+        gradient, gathered_output = whole * e.made_gradient_bytes, e.gathered_weight_bytes(0, whole)
         matmul = gradient + e.microbatch_tokens * e.facts.output / e.logits_split + gathered_output
         reduction = gradient + whole * (reduce_bytes + shard_made(accumulated=False))
         # Beyond the loss's backward and the output's weights, which the moment as backward starts holds already.
@@ -291,11 +289,6 @@ def _add_outer_reductions(estimate, reducing, reduce_bytes: int, shards: int, ou
         return max(0.0, reduction - reducing(e))  # no block is gathered or reduced any more
     estimate.add_memory("buffers", output_reduced, "the output layer's gradient reduced", "fsdp", when="start")
     estimate.add_memory("buffers", inputs_reduced, "the embeddings' gradient reduced", "fsdp", when="end")
-
-
-def gathered_bytes(estimate) -> int:
-    """Bytes per weight element as gathered: float8 when a plugin says so, else the compute dtype's."""
-    return estimate.gather_bytes or torch.finfo(estimate.compute_dtype).bits // 8
 
 
 @hookimpl
