@@ -1897,18 +1897,22 @@ def test_recommend_ranks_the_plans_that_fit_and_they_run_as_printed(tmp_path):
 def test_recommend_plans_every_candidate_at_the_load_given():
     """The plan command's --expert-load reaches every plan --recommend tries: each, routed as unevenly as given,
     holds more (what its experts keep) and runs no faster (the tiny model's step is the host's: its extra FLOPs
-    do not show) than evenly routed. --expert-load-peak (the busiest micro-batch's) moves the memory alone."""
+    do not show) than evenly routed. --expert-load-peak (the busiest micro-batch's) moves the memory alone. ep
+    offers its degrees (off, 2, 4: the tiny model's 8 experts on 4 ranks), which --recommend tries with each of
+    ac's choices (it tried ep at the degree given alone before ep had plan_options)."""
     from titan_core.planner.cli import split_flags
     from titan_core.planner.recommend import recommend
 
     def plans(*flags):
         chosen = split_flags([*flags, *SMALL, "model=qwen3_moe_tiny", "launch.world_size=4", "+plugins=[fsdp,ep,ac]",
                               "plugins.ep.degree=2"])
-        best, _ = recommend(compose(*chosen.overrides), hardware_profile("a100"), 256, chosen.expert_load,
-                            chosen.expert_load_peak)
+        best, tried = recommend(compose(*chosen.overrides), hardware_profile("a100"), 256, chosen.expert_load,
+                                chosen.expert_load_peak, top=12)
+        assert tried == 3 * 4  # fsdp x ep (off, 2, 4) x ac (off, 2 selective, full)
         return {candidate.overrides: candidate for candidate in best}
     even, uneven, peaked = plans(), plans("--expert-load", "2"), plans("--expert-load-peak", "2")
-    assert even.keys() == uneven.keys() == peaked.keys() and len(even) == 4  # fsdp x ep x (no ac, 2 selective, full)
+    assert even.keys() == uneven.keys() == peaked.keys() and len(even) == 12
+    assert {"plugins.ep.degree=4" in plan for plan in even} == {True, False}
     for plan, candidate in even.items():
         assert uneven[plan].memory_gib > candidate.memory_gib, plan
         assert uneven[plan].tokens_per_device <= candidate.tokens_per_device, plan

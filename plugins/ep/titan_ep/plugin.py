@@ -98,6 +98,16 @@ def estimate_costs(estimate, plan):
                                 overlapped=False, plugin="ep", calls=calls)
 
 
+@hookimpl
+def plan_options(model, world_size, hardware):
+    """ep: off, or degrees 2, 4, 8 that divide the experts and the world and keep the all-to-all within a node."""
+    if model.experts is None:
+        return [None]
+    degrees = [d for d in (2, 4, 8) if d <= min(hardware.devices_per_node, world_size)
+               and model.experts.count % d == 0 and world_size % d == 0]
+    return [None, *({"degree": d} for d in degrees)]
+
+
 def shard_by_expert(experts: nn.Module, ep_mesh) -> None:
     """Split every parameter by expert over ``ep_mesh`` and make the module's forward expert-parallel."""
     for module in experts.modules():
