@@ -37,7 +37,8 @@ _H100 = ErrorBand("28 published Llama 3 runs on H100s (20 with memory), bench/pl
                   0.084, 0.249)
 _BY_PROFILE = {
     **{name: _H100 for name in ("h100_sxm", "h100_sxm_96gb", "h100_pcie", "h100_nvl")},
-    "h200": ErrorBand("2 published Llama 3 runs on H200s, bench/planner_vs_seeds.py", 0.059, -0.068, 0.145, -0.153),
+    "h200": ErrorBand("2 published Llama 3 runs on H200s, one setting its efficiencies, "
+                      "bench/planner_vs_seeds.py", 0.059, -0.068, 0.011, 0.020),
     "a100": ErrorBand("3 published Llama 3 runs on A100s, one setting its efficiency, bench/planner_vs_seeds.py",
                       None, None, 0.038, -0.081),
     "mi300x": ErrorBand("4 published Llama 3 runs on MI300Xs, two setting its efficiencies, bench/planner_vs_seeds.py",
@@ -50,7 +51,7 @@ _BY_PROFILE = {
 _BY_DEVICE_TYPE = {
     # Any other GPU: every published row of every card.
     "cuda": ErrorBand("37 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.051, -0.173,
-                      0.077, 0.249),
+                      0.069, 0.249),
     # Any other CPU profile (one --calibrate wrote fits one process): the same tracked plans, and the tokens/s of
     # bench/parallel_step_time.py's 9 plans of several workers relative to one process.
     "cpu": ErrorBand("35 plans tracked on this CPU and 9 plans' step times relative to one process, docs/planner.md",

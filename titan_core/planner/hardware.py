@@ -10,7 +10,8 @@ H100 SXM, and a substring match on "H100" used to give it the SXM's figure).
 (bf16, float8) that a training step's matmuls reach end to end on that card, kernels' efficiency and everything
 the step does between them. Each is set from one published run on the card, named beside it, and every other
 run of that card in ``bench/planner_vs_seeds.py`` is a prediction (docs/planner.md prints the errors). A card
-without a published run takes the H100's shares (the L40S: unchecked).
+without a published run takes the H100's shares (the L40S: unchecked), and so do the H100 profiles, all set from
+the seeds' power-limited H100s: a full-power H100 SXM is likely planned slow.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ H100_FP8_ACHIEVABLE = 0.40
 # the caching allocator's fragmentation, none of which the planner counts.
 USABLE_SHARE = 0.9
 GH100 = "gh100"  # the H100s' and the H200's die
+# H200: TorchTitan's Llama 3 8B FSDP + compile + float8 job on 32 H200s (June 2025), float8; bf16 by the same
+# factor, 1.2 times the H100's shares: those came from the seeds' H100s, which ran at a 500 W limit (TorchTitan:
+# their peak lies between the SXM's and the NVL's) and with December 2024's software.
+H200_ACHIEVABLE = 0.49
+H200_FP8_ACHIEVABLE = 0.48
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,8 @@ PROFILES = (
              chip=GH100),
     Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5, 1670.9, 93.0, 3900.0, 300.0, fp8_achievable=H100_FP8_ACHIEVABLE,
              chip=GH100),
-    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0, fp8_achievable=H100_FP8_ACHIEVABLE, chip=GH100),
+    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0, achievable=H200_ACHIEVABLE,
+             fp8_achievable=H200_FP8_ACHIEVABLE, chip=GH100),
     # TorchTitan's Llama 3 8B FSDP job on 64 A100s, selective op checkpointing (docs/performance.md, April 2024).
     Hardware("a100", r"NVIDIA A100-SXM4-(40|80)GB|NVIDIA A100-PCIE-40GB|NVIDIA A100 80GB PCIe", 312.0, None, 79.2,
              2039.0, 300.0, 25.0, achievable=0.64),
