@@ -149,11 +149,11 @@ def after_optimizer_step(model_parts, plugin_config):
 
 @hookimpl
 def estimate_costs(estimate, plugin_config, plan):
-    """float8: the blocks' matmuls (rowwise_with_gw_hp: two of each linear's three) at the speed-up measured for
-    each linear's shape on the card's chip where a table exists (H100s' rowwise, casts included), else at the
-    float8 rate the hardware reaches plus the casts' memory traffic as the recipe's kernels move it; float8 weights
-    in FSDP's all-gather when fsdp_float8_all_gather is on (each rank then casts its shard of the weights, before
-    the gather); under the core's autocast, no copy of the blocks' weights in the compute dtype."""
+    """float8: the matmuls of the linears it converts (rowwise_with_gw_hp: two of each one's three) at the speed-up
+    measured for each linear's shape on the card's chip where a table exists (H100s' rowwise, casts included),
+    else at the float8 rate the hardware reaches plus the casts' memory traffic as the recipe's kernels move it;
+    those linears' weights in float8 in FSDP's all-gather when fsdp_float8_all_gather is on (each rank then casts
+    its shard, before the gather); under the core's autocast, no copy of the blocks' weights in the compute dtype."""
     hardware = estimate.hardware
     if estimate.device_type == "cuda" and not hardware.fp8_tflops:
         raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
