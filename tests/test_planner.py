@@ -2239,6 +2239,45 @@ def test_the_cores_autocast_is_traced_with_float32_weights_and_their_cached_copi
     assert before < -under
 
 
+def test_cudas_autocast_policy_runs_on_cpu_as_cuda_documents_it():
+    """While a CUDA job is traced on CPU tensors, CPU autocast gives the ops CUDA's autocast runs in float32
+    (torch's "CUDA ops that can autocast to float32": norms, pow, rsqrt, exp, softmax, sum...) float32 results
+    from bfloat16 inputs, as CUDA does, and matmuls stay bfloat16; each op so treated has a CUDA autocast kernel
+    and no CPU one in this torch; afterwards CPU's own policy is back."""
+    from titan_core.planner.cuda_autocast import FLOAT32_INPUTS, FLOAT32_RESULT, cuda_autocast_policy, differs_on_cpu
+
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(8, requires_grad=True)
+
+    def results():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs = [torch.nn.functional.rms_norm(x, (8,), weight), torch.nn.functional.layer_norm(x, (8,), weight),
+                       x.softmax(-1), torch.log_softmax(x, -1), x.pow(2), x.rsqrt(), x.exp(), x.sum(), x.sum(-1),
+                       x.cumsum(0), x @ weight]
+        sum(output.float().sum() for output in outputs).backward()  # autograd follows the widened ops
+        return [output.dtype for output in outputs]
+    assert results() == [torch.bfloat16] * 11
+    with cuda_autocast_policy():
+        assert results() == [torch.float32] * 10 + [torch.bfloat16]
+    assert results() == [torch.bfloat16] * 11
+    assert all(map(differs_on_cpu, ("rms_norm", "layer_norm", "softmax.int", "pow.Tensor_Scalar", "rsqrt", "sum")))
+    assert sum(map(differs_on_cpu, FLOAT32_INPUTS + FLOAT32_RESULT)) >= 30  # the lists are torch's, not stale
+
+
+@pytest.mark.parametrize("model, widened", [("qwen3_tiny", True), ("tiny", False)])
+def test_a_cuda_jobs_autocast_is_traced_with_cudas_float32_ops(model, widened):
+    """bfloat16 compute under the core's autocast, planned for a GPU: Qwen3's query and key norms, fed a linear's
+    bfloat16 output, keep float32 tensors on a GPU (CUDA's autocast runs rms_norm in float32), which a trace under
+    CPU's autocast kept in bfloat16; Llama's norms read the float32 residual stream, the same either way."""
+    config = compose(*SMALL, f"model={model}", "training.compute_dtype=bfloat16")
+    registry = Registry(config)
+    plan = build_plan(config, registry, None, 256)
+    gpu, cpu = (estimate(config, plan, registry, hardware) for hardware in (hardware_profile("h100"), CPU))
+    assert gpu.autocasts and cpu.autocasts
+    kept_gpu, kept_cpu = sum(gpu.facts.block_saved), sum(cpu.facts.block_saved)
+    assert (kept_gpu > 1.02 * kept_cpu) if widened else (kept_gpu == kept_cpu), (kept_gpu, kept_cpu)
+
+
 # Written from docs/writing-plugins.md's paragraph on the estimate's properties: a plugin freezing modules as it
 # converts them registers the same conversion for the planner's trace.
 FROZEN_LAYERS = '''

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from titan_core.errors import ConfigError
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Under a narrow compute dtype on the CPU, autocast leaves a norm's bfloat16 input beside its float32 weight
+# (CUDA's runs norms in float32), and torch warns that it takes the unfused path: nothing a user can act on.
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
 
 
 def float_dtype(value: str, field: str) -> torch.dtype:

@@ -43,12 +43,13 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
                               f"leave {flag} out for a dense model")
 
     def facts_in(dtype: torch.dtype, conversions: dict | None = None, autocast: bool = False):
-        key = (dtype, autocast, *sorted(conversions or ()))
+        key = (dtype, autocast, hardware.device_type, *sorted(conversions or ()))
         if key not in traced:
             build = functools.partial(_converted, functools.partial(registry.call, registry.model, "build_model"),
                                       list((conversions or {}).values()))
             traced[key] = model_facts(plan.model, build, dtype, config.training.seq_len,
-                                      config.training.attention_mask == "block_causal", autocast)
+                                      config.training.attention_mask == "block_causal", autocast,
+                                      hardware.device_type)
         return traced[key]
 
     training = config.training

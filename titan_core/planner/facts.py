@@ -33,6 +33,7 @@ from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
 from titan_core.moe.layer import MoE
 from titan_core.parameter_roles import parameter_role
+from titan_core.planner.cuda_autocast import cuda_autocast_policy
 
 # Positions traced (at most): enough for every shape to be general, few enough to be instant for 405B.
 TRACE_TOKENS = 64
@@ -439,18 +440,21 @@ def _tracing_patches():
 
 
 def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_len: int,
-                documents: bool = False, autocast: bool = False) -> ModelFacts:
+                documents: bool = False, autocast: bool = False, device_type: str = "cpu") -> ModelFacts:
     """The facts of the model ``description`` describes, built by ``build(description=...)`` (the model
     plugin's ``build_model`` hook) and traced in ``dtype`` on at most ``TRACE_TOKENS`` of ``seq_len`` positions;
     with ``documents``, its forward given document ids as a job masking by document gives them; with
     ``autocast``, its weights left float32 and its forward run under autocast to ``dtype``, as the core's step
-    runs it without a plugin providing mixed precision."""
+    runs it without a plugin providing mixed precision, with the ops a ``device_type`` autocasts otherwise than
+    the CPU run as it runs them (:mod:`titan_core.planner.cuda_autocast`)."""
     with FakeTensorMode() if autocast else contextlib.nullcontext():
-        return _traced_facts(description, build, dtype, seq_len, documents, autocast)
+        return _traced_facts(description, build, dtype, seq_len, documents, device_type if autocast else None)
 
 
-def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, documents: bool, autocast: bool) -> ModelFacts:
-    device = "cpu" if autocast else "meta"  # fake CPU tensors under autocast
+def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, documents: bool,
+                  autocast: str | None) -> ModelFacts:
+    """``autocast``: the device type whose autocast the forward runs under (on fake CPU tensors), or None."""
+    device = "meta" if autocast is None else "cpu"  # fake CPU tensors under autocast
     with torch.device(device):
         model = build(description=description)
     buffer_bytes = sum(_nbytes(b) for b in model.buffers())
@@ -458,13 +462,14 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
     for name, parameter in model.named_parameters():
         role = parameter_role(description, name, parameter)
         roles[role] = roles.get(role, 0) + parameter.numel()
-    if not autocast:
+    if autocast is None:
         model.to(dtype)
     blocks = list(description.blocks_of(model).values()) if description.blocks else []
     paths = {p.untyped_storage()._cdata: "" for p in model.parameters()}
     for block in blocks:
         paths.update((p.untyped_storage()._cdata, name.rpartition(".")[0]) for name, p in block.named_parameters())
-    tracer = _Tracer(min(TRACE_TOKENS, seq_len), paths, _storages(model.buffers()), len(blocks), autocast)
+    tracer = _Tracer(min(TRACE_TOKENS, seq_len), paths, _storages(model.buffers()), len(blocks),
+                     autocast is not None)
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(functools.partial(tracer.enter, index))
         block.register_forward_hook(tracer.leave)
@@ -482,8 +487,10 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
             for patch in _tracing_patches():
                 stack.enter_context(patch)
             stack.enter_context(tracer)
-            if autocast:
+            if autocast is not None:
                 stack.enter_context(torch.autocast("cpu", dtype=dtype))
+            if autocast == "cuda":
+                stack.enter_context(cuda_autocast_policy())
             try:
                 logits = model(tokens, document_ids=attention.document_ids(tokens, 0)) if documents else model(tokens)
             except (NotImplementedError, RuntimeError) as error:

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf
 from titan_core.testing import init_weights
-from titan_core.testing import model_conformance
+from titan_core.testing import TINY, model_conformance, run_job
 from titan_qwen3.model import Qwen3
 from titan_qwen3.plugin import describe, qwen3_args
 
@@ -59,3 +59,13 @@ def test_transformers_reads_the_export_with_equal_logits_and_import_gives_it_bac
     rebuilt.load_state_dict(weights)
     with torch.no_grad():
         assert torch.equal(rebuilt(TOKENS), expected)
+
+
+def test_bfloat16_autocast_on_the_cpu_trains_without_torchs_norm_warning(tmp_path):
+    """Under the core's autocast on a CPU, Qwen3's query and key norms get a linear's bfloat16 output beside their
+    float32 weights, and torch warns that it takes the unfused path: nothing a user can act on, kept off the
+    console (it was printed once per run)."""
+    result = run_job([*TINY, "model=qwen3_tiny", "training.compute_dtype=bfloat16", "training.steps=2"],
+                     tmp_path / "run")
+    assert "step 2/2" in result.stdout + result.stderr
+    assert "Warning" not in result.stdout + result.stderr, result.stderr
