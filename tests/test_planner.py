@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -1918,6 +1919,35 @@ def test_recommend_plans_every_candidate_at_the_load_given():
         assert uneven[plan].tokens_per_device <= candidate.tokens_per_device, plan
         assert peaked[plan].memory_gib == uneven[plan].memory_gib, plan
         assert peaked[plan].tokens_per_device == candidate.tokens_per_device, plan
+
+
+def test_a_gpu_job_is_checked_for_the_gpu_from_a_machine_without_one():
+    """Planned for an H100 from this CPU machine, a job with no compute dtype set computes in bfloat16, as it will
+    there: LoRA's bfloat16 base, which needs bfloat16 compute, is accepted (it was refused: the check read this
+    machine's float32), and planned 4 bytes a frozen weight lighter, printed with its sign and unit; on a CPU
+    profile the same job is still refused, in one line naming the field."""
+    job = [*SMALL, "+plugins=[lora]", "plugins.lora.base_dtype=bfloat16"]
+    _, result = job_estimate(["--hardware", "h100", *job])
+    assert result.compute_dtype == torch.bfloat16
+    line = next(line for line in report(result).splitlines() if "frozen linears held in bfloat16" in line)
+    assert re.search(r" -\d+\.\d\d (KiB|MiB|GiB) ", line), line
+    with pytest.raises(ConfigError, match="a bfloat16 base needs bfloat16 compute") as refused:
+        job_estimate(["--hardware", "cpu-measured", *job])
+    assert refused.value.field == "plugins.lora.base_dtype"
+
+
+def test_recommend_keeps_lora_and_tries_its_base_dtypes_and_the_chunked_loss():
+    """LoRA is what trains, so --recommend never leaves it out; it tries its frozen linears in float32 and in
+    bfloat16 (less memory, the bfloat16 compute rounding them anyway), and the chunked loss off and on."""
+    from titan_core.planner.recommend import recommend
+
+    best, tried = recommend(compose(*SMALL, "launch.world_size=1", "+plugins=[lora,ac,chunked_loss]"),
+                            hardware_profile("h100"), 256, top=16)
+    assert tried == 2 * 4 * 2  # lora's base dtypes x ac's four x chunked loss off and on
+    assert len(best) == tried and all("lora" in c.overrides[0] for c in best)
+    by_base = {dtype: min(c.memory_gib for c in best if f"plugins.lora.base_dtype={dtype}" in c.overrides)
+               for dtype in ("float32", "bfloat16")}
+    assert by_base["bfloat16"] < by_base["float32"]
 
 
 def test_recommend_tries_an_outsiders_options_and_drops_what_does_not_fit(tmp_path):

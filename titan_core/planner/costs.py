@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 
 import torch
+from omegaconf import OmegaConf
 
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
 from titan_core.job.checks import check_job
 from titan_core.job.command_line import composed
 from titan_core.mesh import device_kind
-from titan_core.options import compute_dtype
+from titan_core.options import FLOAT_DTYPES, compute_dtype
 from titan_core.plan import Plan
 from titan_core.planner.accuracy import error_band
 from titan_core.planner.estimate import CATEGORIES, GIB, Estimate, evaluated
@@ -108,11 +109,21 @@ def planned_job(overrides: list[str], hardware: Hardware, expert_load: float = 1
     """The plan and the estimate on ``hardware`` of the job ``overrides`` describe, composed and checked as
     ``python -m titan_core.run`` checks it, its experts routed as unevenly as ``expert_load`` (over the step) and
     ``expert_load_peak`` (over the busiest micro-batch) say; raises ConfigError on bad input."""
-    config = composed(overrides)
+    config = on_hardware(composed(overrides), hardware)
     registry = Registry(config)
     plan = build_plan(config, registry, None, load_tokenizer(config.tokenizer).vocab_size)
     check_job(config, plan)
     return plan, estimate(config, plan, registry, hardware, expert_load=expert_load, expert_load_peak=expert_load_peak)
+
+
+def on_hardware(config, hardware: Hardware):
+    """The job as it runs on ``hardware``: a null ``training.compute_dtype`` resolved for its device type, so that
+    the plugins' checks judge the job planned (bfloat16 on a GPU), not one on the machine that plans it."""
+    if config.training.compute_dtype is not None:
+        return config
+    dtype = compute_dtype(None, "training.compute_dtype", hardware.device_type)
+    name = next(name for name, value in FLOAT_DTYPES.items() if value == dtype)
+    return OmegaConf.merge(config, {"training": {"compute_dtype": name}})
 
 
 def _logits_room(result: Estimate) -> float:
@@ -226,7 +237,8 @@ def estimate_here(config, plan: Plan) -> str:
 
 
 def _size(nbytes: float) -> str:
+    """Bytes in the largest unit they fill, with their sign (a term that saves memory is negative)."""
     for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
+        if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes:.0f} B"

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
 from titan_core.job.checks import check_job
-from titan_core.planner.costs import estimate
+from titan_core.planner.costs import estimate, on_hardware
 from titan_core.planner.estimate import GIB
 from titan_core.planner.hardware import Hardware
 from titan_core.plugins import Registry, build_plan, enabled_plugin_names
@@ -51,6 +51,7 @@ def recommend(config, hardware: Hardware, vocab_size: int, expert_load: float = 
     if not names:
         raise ConfigError("plugins", "--recommend chooses among the plugins the command line enables, and it "
                           "enables none", "list the candidates, e.g. +plugins=[fsdp,tp,pp,ac,compile,float8]")
+    config = on_hardware(config, hardware)
     registry = Registry(config)
     model = registry.describe_model(config, vocab_size)
     alternatives = {name: registry.call(name, "plan_options", config=config, plugin_config=config.plugins[name],

@@ -108,6 +108,12 @@ def _summed_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 
 @hookimpl
+def plan_options(plugin_config):
+    """chunked_loss: off, or on with the chunk size given (the same loss either way)."""
+    return [None, {"chunk_tokens": plugin_config.chunk_tokens}]
+
+
+@hookimpl
 def estimate_costs(estimate, plugin_config, plan):
     """chunked_loss: no logits kept from forward, one chunk's made again in backward with their gradients; the
     logits' matmul run twice."""

@@ -155,6 +155,12 @@ class LoraPlugin:
         return Declaration(stage=STAGE)
 
     @hookimpl
+    def plan_options(self):
+        """lora: never left out (it is what trains), its frozen linears in float32 or in bfloat16 (where the job
+        computes in bfloat16: a float32 job refuses the latter)."""
+        return [{"base_dtype": "float32"}, {"base_dtype": "bfloat16"}]
+
+    @hookimpl
     def validate(self, config, plugin_config, plan):
         """lora: every option, the targets against the model's blocks, a PEFT adapter to start from, before launch."""
         validate_options(config, plugin_config, plan)
