@@ -4,8 +4,8 @@ against published runs of Llama 3 8B and 70B on A100, H100, H200 and MI300X (sou
 Each row is the published job as titan-core overrides, planned on the one profile of the hardware they ran
 on (h100_sxm_96gb: H100 SXM with 96 GB of HBM2e, 8 per node, 400 Gb/s per GPU between nodes), with no
 per-row tuning; printed with the published memory (GiB, the most loaded rank) and TPS/GPU beside the
-prediction and the error of each. AsyncTP needs CUDA to be configured here, so the rows that used it are
-planned without it (marked). Run: python bench/planner_vs_seeds.py
+prediction and the error of each; every job as it ran, AsyncTP included (planned for the card's CUDA device from
+this machine). Run: python bench/planner_vs_seeds.py
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from titan_core.planner.hardware import hardware_profile
 
 HARDWARE = "h100_sxm_96gb"
 FLOAT8 = "plugins.float8.fsdp_float8_all_gather=true"
+ASYNC_TP = "plugins.tp.async_tp=true"
 # 126 blocks in 8 or 16 stages: one fewer on the first and on the last stage, which run the embedding and output.
 # Tables 5 and 6 name no micro-batch count: TorchTitan then split the local batch into as many micro-batches as
 # pipeline ranks (`experimental.pipeline_parallel_microbatches`, default None -> pp degree, torchtitan@9dec370
@@ -49,15 +50,16 @@ ROWS = [  # (table, row, overrides, published TPS/GPU, published memory GiB)
     ("3: 8B, 128 GPUs", "FSDP + compile", job("8B", 128, 8192, 256, ["fsdp", "compile"]), 6514, 62.0),
     ("3: 8B, 128 GPUs", "FSDP + compile + float8", job("8B", 128, 8192, 256, ["fsdp", "compile", "float8"], FLOAT8),
      8380, 61.8),
-    ("4: 70B, 256 GPUs", "FSDP 32, TP 8", job("70B", 256, 8192, 512, ["fsdp", "tp", "compile", "float8"], FLOAT8,
-                                              "plugins.tp.degree=8", ac="full"), 829, 71.9),
-    *[("5: 405B, 512 GPUs", f"FSDP 8, TP 8, PP 8, {schedule} (no AsyncTP)",
-       job("405B", 512, 8192, 256, ["fsdp", "tp", "pp", "compile", "float8"], FLOAT8, "plugins.tp.degree=8",
+    *[("4: 70B, 256 GPUs", f"FSDP 32, TP 8{name}", job("70B", 256, 8192, 512, ["fsdp", "tp", "compile", "float8"],
+                                                    FLOAT8, "plugins.tp.degree=8", *flags, ac="full"), tps, mem)
+      for name, flags, tps, mem in (("", (), 829, 71.9), (", AsyncTP", (ASYNC_TP,), 876, 67.6))],
+    *[("5: 405B, 512 GPUs", f"FSDP 8, TP 8, PP 8, {schedule}",
+       job("405B", 512, 8192, 256, ["fsdp", "tp", "pp", "compile", "float8"], FLOAT8, "plugins.tp.degree=8", ASYNC_TP,
            "plugins.pp.degree=8", f"plugins.pp.schedule={schedule}", "plugins.pp.microbatches=8", *FEWER, ac="full"), tps, mem)
       for schedule, tps, mem in (("1F1B", 100, 82.5), ("Interleaved1F1B", 128, 72.7))],
-    *[("6: 405B, 512 GPUs, CP", f"FSDP {8 // cp}, CP {cp}, seq {seq} (no AsyncTP)",
+    *[("6: 405B, 512 GPUs, CP", f"FSDP {8 // cp}, CP {cp}, seq {seq}",
        job("405B", 512, seq, 8 * (8 // cp), ["fsdp", "tp", "pp", "compile", "float8", *(["cp"] if cp > 1 else [])],
-           FLOAT8, "plugins.tp.degree=8", "plugins.pp.degree=8", "plugins.pp.schedule=1F1B", "plugins.pp.microbatches=8", *FEWER,
+           FLOAT8, "plugins.tp.degree=8", ASYNC_TP, "plugins.pp.degree=8", "plugins.pp.schedule=1F1B", "plugins.pp.microbatches=8", *FEWER,
            *([f"plugins.cp.degree={cp}"] if cp > 1 else []), ac="full"), tps, mem)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                 (8, 262144, 16, 84.9))],
@@ -72,10 +74,10 @@ ROWS = [  # (table, row, overrides, published TPS/GPU, published memory GiB)
 # benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (4 and 8 nodes, 2 sequences a GPU, float8).
 # The seeds' H100s (h100_sxm_96gb, TorchTitan's Grand Teton hosts), beyond the seeds' tables, tokens/s/GPU only:
 # Llama 3.1 405B on 128 GPUs, FSDP 16 x TP 8, 2 sequences a data-parallel rank, full checkpointing, compile (the
-# 405B preset of then), pytorch/torchtitan docs/performance.md @3faaa1a (August 2024; the row with AsyncTP left
-# out: it cannot be configured here); Llama 3 70B on 256 GPUs (FSDP 32 x TP 8, 16 sequences a data-parallel rank,
-# full checkpointing) and 8B on 64 (FSDP 8 x TP 8, 12 sequences, per-op selective checkpointing), compile, TP
-# without AsyncTP, pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (June 2025; their loss
+# 405B preset of then), pytorch/torchtitan docs/performance.md @3faaa1a (August 2024); Llama 3 70B on 256 GPUs
+# (FSDP 32 x TP 8, 16 sequences a data-parallel rank, full checkpointing) and 8B on 64 (FSDP 8 x TP 8, 12
+# sequences, per-op selective checkpointing), compile, TP with and without AsyncTP,
+# pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (June 2025; their loss
 # was compiled, which the compile plugin refuses under tensor parallel: planned eager; float8 with FSDP's bf16
 # all-gathers, their presets' default). TorchTitan's tensorwise float8 gathered sequence parallel's inputs in
 # float8 (Float8ColwiseParallel), titan-core's in bf16.
@@ -112,14 +114,17 @@ CARDS = [  # (card's profile, source and job, overrides, published TPS/GPU, publ
     *[(HARDWARE, f"torchtitan H100: 405B, 128 GPUs, FSDP 16, TP 8, {kind}",
        job("405B", 128, 8192, 32, ["fsdp", "tp", "compile", *extra], *flags, "plugins.tp.degree=8", ac="full"), tps,
        None)
-      for kind, extra, flags, tps in (("bf16", [], [], 109), ("float8", ["float8"], [FLOAT8], 177))],
-    *[(HARDWARE, f"torchtitan H100: {model}, {world} GPUs, FSDP {world // 8}, TP 8, {kind}",
+      for kind, extra, flags, tps in (("bf16", [], [], 109), ("float8", ["float8"], [FLOAT8], 177),
+                                      ("float8, AsyncTP", ["float8"], [FLOAT8, ASYNC_TP], 185))],
+    *[(HARDWARE, f"torchtitan H100: {model}, {world} GPUs, FSDP {world // 8}, TP 8, {kind}{asynchronous}",
        job(model, world, 8192, world // 8 * rows, ["fsdp", "tp", "compile", *extra], *flags, "plugins.tp.degree=8",
-           ac=ac), tps, None)
-      for model, world, rows, ac, runs in (("70B", 256, 16, "full", (597.3, 809.8, 599.6)),
-                                           ("8B", 64, 12, "selective_op", (4378, 5078.1, 3708.5)))
-      for (kind, extra, flags), tps in zip((("bf16", [], []), ("float8 tensorwise", ["float8"], []),
-                                            ("float8 rowwise", ["float8"], ["plugins.float8.recipe=rowwise"])), runs)],
+           *async_flags, ac=ac), tps, None)
+      for model, world, rows, ac, runs in (("70B", 256, 16, "full", ((597.3, 652.4), (809.8, 942.4), (599.6, 624.8))),
+                                           ("8B", 64, 12, "selective_op",
+                                            ((4378, 4809.4), (5078.1, 5570.1), (3708.5, 3914.9))))
+      for (kind, extra, flags), pair in zip((("bf16", [], []), ("float8 tensorwise", ["float8"], []),
+                                             ("float8 rowwise", ["float8"], ["plugins.float8.recipe=rowwise"])), runs)
+      for (asynchronous, async_flags), tps in zip((("", ()), (", AsyncTP", (ASYNC_TP,))), pair)],
 ]
 # Published as out of memory: TorchTitan's 405B on 128 H100s with FSDP alone (docs/performance.md @3faaa1a).
 OUT_OF_MEMORY = [(HARDWARE, "torchtitan H100: 405B, 128 GPUs, FSDP 128, bf16",

@@ -33,7 +33,7 @@ class ErrorBand:
 
 # bench/planner_vs_seeds.py, 2026-12-05: published runs per card (each card's efficiency set from one or two of
 # them, named in titan_core/planner/hardware.py).
-_H100 = ErrorBand("28 published Llama 3 runs on H100s (20 with memory), bench/planner_vs_seeds.py", 0.052, -0.173,
+_H100 = ErrorBand("36 published Llama 3 runs on H100s (21 with memory), bench/planner_vs_seeds.py", 0.051, -0.173,
                   0.084, 0.249)
 _BY_PROFILE = {
     **{name: _H100 for name in ("h100_sxm", "h100_sxm_96gb", "h100_pcie", "h100_nvl")},
@@ -50,8 +50,8 @@ _BY_PROFILE = {
 }
 _BY_DEVICE_TYPE = {
     # Any other GPU: every published row of every card.
-    "cuda": ErrorBand("37 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.051, -0.173,
-                      0.069, 0.249),
+    "cuda": ErrorBand("45 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.051, -0.173,
+                      0.072, 0.249),
     # Any other CPU profile (one --calibrate wrote fits one process): the same tracked plans, and the tokens/s of
     # bench/parallel_step_time.py's 9 plans of several workers relative to one process.
     "cpu": ErrorBand("35 plans tracked on this CPU and 9 plans' step times relative to one process, docs/planner.md",

@@ -117,13 +117,16 @@ def planned_job(overrides: list[str], hardware: Hardware, expert_load: float = 1
 
 
 def on_hardware(config, hardware: Hardware):
-    """The job as it runs on ``hardware``: a null ``training.compute_dtype`` resolved for its device type, so that
-    the plugins' checks judge the job planned (bfloat16 on a GPU), not one on the machine that plans it."""
-    if config.training.compute_dtype is not None:
-        return config
-    dtype = compute_dtype(None, "training.compute_dtype", hardware.device_type)
-    name = next(name for name, value in FLOAT_DTYPES.items() if value == dtype)
-    return OmegaConf.merge(config, {"training": {"compute_dtype": name}})
+    """The job as it runs on ``hardware``: a null ``launch.device`` and ``training.compute_dtype`` resolved for its
+    device type, so that the plugins' checks judge the job planned (bfloat16 on a GPU, AsyncTP on CUDA), not one
+    on the machine that plans it."""
+    resolved = {}
+    if config.launch.device is None:
+        resolved["launch"] = {"device": hardware.device_type}
+    if config.training.compute_dtype is None:
+        dtype = compute_dtype(None, "training.compute_dtype", hardware.device_type)
+        resolved["training"] = {"compute_dtype": next(name for name, value in FLOAT_DTYPES.items() if value == dtype)}
+    return OmegaConf.merge(config, resolved) if resolved else config
 
 
 def _logits_room(result: Estimate) -> float:

@@ -66,7 +66,7 @@ def test_compile_composes_with_pipeline_stages(titan_reference, tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("plugins.compile.backend=nope", "plugins.compile.backend: unknown torch.compile backend 'nope'"),
     ("plugins.compile.mode=fastest", "plugins.compile.mode: unknown inductor mode 'fastest'"),
-    ("plugins.compile.mode=reduce-overhead", "captures CUDA graphs and this machine has no CUDA device"),
+    ("plugins.compile.mode=reduce-overhead", "captures CUDA graphs and this job runs on no CUDA device"),
 ])
 def test_bad_options_fail_before_launch(tmp_path, override, message):
     result = run_job([*TINY, "+plugins=[compile]", override], tmp_path / "run", expect_success=False)

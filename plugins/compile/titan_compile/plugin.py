@@ -24,7 +24,8 @@ the rest of each block is still compiled.
 import torch
 from torch import nn
 
-from titan_core import COMPILE, EXPERT_PARALLEL, TP, ConfigError, Declaration, canonical_name, hookimpl, lacks
+from titan_core import (COMPILE, EXPERT_PARALLEL, TP, ConfigError, Declaration, canonical_name, device_kind, hookimpl,
+                        lacks)
 
 STAGE = 500  # after the transforms that rewrite a block (TP, CP, AC), before FSDP wraps it
 CUDA_ONLY_MODES = ("reduce-overhead", "max-autotune")  # both capture CUDA graphs
@@ -37,7 +38,7 @@ def compile_counts() -> dict[str, int]:
             "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def check_options(plugin_config, plan) -> None:
+def check_options(config, plugin_config, plan) -> None:
     if plan.model.blocks is None:
         raise ConfigError("plugins.compile", lacks(plan.model, "blocks", "per-block compile"),
                           "remove compile from +plugins=[...], or describe the model's blocks")
@@ -57,9 +58,9 @@ def check_options(plugin_config, plan) -> None:
     if plugin_config.mode not in modes:
         raise ConfigError("plugins.compile.mode", f"unknown inductor mode '{plugin_config.mode}'",
                           f"use one of {', '.join(modes)}")
-    if plugin_config.mode in CUDA_ONLY_MODES and not torch.cuda.is_available():
+    if plugin_config.mode in CUDA_ONLY_MODES and device_kind(config.launch.device) != "cuda":
         raise ConfigError("plugins.compile.mode", f"mode '{plugin_config.mode}' captures CUDA graphs and this "
-                          "machine has no CUDA device", "use mode=default or max-autotune-no-cudagraphs")
+                          "job runs on no CUDA device", "use mode=default or max-autotune-no-cudagraphs")
 
 
 def compile_blocks(model_parts, mesh, plugin_config, plan) -> None:
@@ -120,9 +121,9 @@ class CompilePlugin:
         return Declaration(stage=STAGE, provides=frozenset({COMPILE}))
 
     @hookimpl
-    def validate(self, plugin_config, plan):
-        """compile: the model has blocks; the backend and mode exist here."""
-        check_options(plugin_config, plan)
+    def validate(self, config, plugin_config, plan):
+        """compile: the model has blocks; the backend and mode exist here, a CUDA-graph mode for a CUDA job."""
+        check_options(config, plugin_config, plan)
 
     @hookimpl
     def apply_parallelism(self, model_parts, mesh, plugin_config, plan):

@@ -18,7 +18,8 @@ import logging
 import torch
 from torch import nn
 
-from titan_core import DATA_PARALLEL_SHARDING, ConfigError, Declaration, canonical_name, evaluated, hookimpl
+from titan_core import (DATA_PARALLEL_SHARDING, ConfigError, Declaration, canonical_name, device_kind, evaluated,
+                        hookimpl)
 from titan_float8.measured import SPEEDUPS, speedup
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -47,12 +48,16 @@ def declare():
 
 
 @hookimpl
-def validate(plugin_config, plan):
+def validate(config, plugin_config, plan):
+    """float8: the recipe exists and runs on the job's device; float8 all-gathers need tensorwise and a sharder."""
     recipe = plugin_config.recipe
     if recipe not in FLOAT8_RECIPES + MXFP8_RECIPES:
         raise ConfigError("plugins.float8.recipe", f"unknown recipe '{recipe}'",
                           f"use one of {', '.join(FLOAT8_RECIPES + MXFP8_RECIPES)}")
-    if recipe in MXFP8_NEEDS_TRITON and not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
+    # Planned for a GPU from a machine without one, the GPU's machine is checked for triton when the job runs there.
+    here = torch.cuda.is_available()
+    if recipe in MXFP8_NEEDS_TRITON and not (device_kind(config.launch.device) == "cuda"
+                                             and (importlib.util.find_spec("triton") or not here)):
         raise ConfigError("plugins.float8.recipe", f"{recipe} needs a CUDA device with triton (torchao's MXFP8 "
                           "cast kernels), and this machine has none", "use recipe=mxfp8_emulated_rceil here")
     if plugin_config.fsdp_float8_all_gather:

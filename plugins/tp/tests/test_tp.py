@@ -68,7 +68,7 @@ def test_plan_shards_heads_hidden_units_and_vocabulary(one_rank_tp_mesh, sp):
 def _config(degree=2, n_heads=4, n_kv_heads=2, seq_len=32, cp=1, **tp):
     options = {"degree": degree, "sequence_parallel": True, "loss_parallel": True, "async_tp": False, **tp}
     model = describe(LlamaArgs(dim=16 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads))
-    return (OmegaConf.create({"training": {"seq_len": seq_len}, "launch": {"backend": None},
+    return (OmegaConf.create({"training": {"seq_len": seq_len}, "launch": {"backend": None, "device": None},
                               "plugins": {"tp": options}}),
             type("Plan", (), {"degree": lambda self, dim: {"tp": degree, "cp": cp}.get(dim, 1), "model": model})())
 
