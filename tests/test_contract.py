@@ -3,6 +3,7 @@ docs/writing-models.md and docs/writing-plugins.md, installed for the test."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,7 @@ def build_model(description):
 # checks the weights exist after init, sees the optimizer after each step and reads its own options.
 PROBE = """
 import json
+import os
 import torch
 from titan_core import hookimpl
 
@@ -315,6 +317,7 @@ def test_lifecycle_hooks_and_own_options(tmp_path, outsiders):
 # after_backward, a module conversion, the micro-batch index and count, and the error event.
 REPLICA = """
 import json
+import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -715,6 +718,13 @@ def test_a_model_built_from_the_cores_moe_blocks_trains_and_balances(tmp_path):
     report = compare(result, reference)
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
     assert result.metrics[-1]["expert_rank_load_max"] > 1
+    # The planner prices what ExpertRouting's own hooks issue: the model plugin's estimate_costs runs after the
+    # enabled plugins', and this outsider's bias update sums its 2 layers' x 4 experts' counts once a step.
+    planned = subprocess.run([sys.executable, "-m", "titan_core.planner", "--hardware", "a100", *routed,
+                              "+plugins=[fsdp,ep]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"],
+                             capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    assert "collective routed: all-reduce of the experts' token counts over dp_shard: 32 B per step" in planned.stdout
 
 
 # Low-rank attention written from docs/writing-models.md's MLA paragraph: a down-projection every tp rank runs whole
