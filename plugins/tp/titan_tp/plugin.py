@@ -38,7 +38,7 @@ TOKEN_SPLIT_REPLICAS = (DP_SHARD, CP, TP)
 STAGE = 200  # after pipeline splitting (each stage is parallelized like a whole model), before CP, AC, compile, FSDP
 # The share of tp's collective time AsyncTP hides behind the matmuls it splits; the rest still waits (each fused
 # matmul's first chunk, the patterns it does not fuse). From TorchTitan's June 2025 AsyncTP benchmark (Llama 3 70B
-# and 8B, TP 8, bf16 and float8: 0.29 to 0.82 of the planned time of those collectives, mean 0.50); priced as all
+# and 8B, TP 8, bf16 and float8: 0.29 to 0.82 of the planned time of those collectives, mean 0.49); priced as all
 # of it, its 8B jobs were planned 24% to 33% fast.
 ASYNC_TP_HIDDEN = 0.5
 
