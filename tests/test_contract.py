@@ -615,6 +615,85 @@ def test_an_outsiders_masked_data_trains_and_validates_under_fsdp_like_one_proce
     assert len(validation[0]) == 1 and validation[0] == pytest.approx(validation[1], abs=LOSS_TOL)
 
 
+# An outsider's conversion written from docs/writing-plugins.md ("Linears whose gathered tensors travel narrow"): it
+# marks every block linear with casts that change nothing and count what tensor parallel hands them; after every
+# transform (after_init) it keeps the precision of the linears it is told to, as a later conversion would.
+GATHER_WATCH = '''
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from titan_core import GatherCasts, attribute, cast_gathers, hookimpl, keep_precision
+
+
+def split_along_the_sequence(tensor):
+    return isinstance(tensor, DTensor) and tuple(tensor.placements) == (Shard(1),)
+
+
+class PassGradient(torch.autograd.Function):
+    """The output unchanged; in backward, counts the gradients that arrive split along the sequence."""
+
+    @staticmethod
+    def forward(ctx, output, seen):
+        ctx.seen = seen
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen["grads"] += split_along_the_sequence(grad)
+        return grad, None
+
+
+class Watch:
+    def __init__(self):
+        self.seen = {"inputs": 0, "grads": 0}
+
+    def count_input(self, stream):
+        self.seen["inputs"] += split_along_the_sequence(stream)
+        return stream
+
+    @hookimpl
+    def convert_modules(self, model, plan):
+        """watch: marks every linear of every block."""
+        casts = GatherCasts(input=self.count_input, output_grad=lambda output: PassGradient.apply(output, self.seen),
+                            same="watch")
+        for block in plan.model.blocks_of(model).values():
+            for module in block.modules():
+                if isinstance(module, nn.Linear):
+                    cast_gathers(module, casts)
+
+    @hookimpl
+    def after_init(self, model_parts, plugin_config, plan):
+        """watch: keeps the precision of the linears named in keep."""
+        for part in model_parts:
+            for block in plan.model.blocks_of(part).values():
+                for path in plugin_config.keep:
+                    keep_precision(attribute(block, path))
+
+    @hookimpl
+    def step_metrics(self):
+        """watch: the casts tensor parallel called since the last logged step."""
+        seen, self.seen["inputs"], self.seen["grads"] = dict(self.seen), 0, 0
+        return {"inputs_cast": seen["inputs"], "gradients_cast": seen["grads"]}
+'''
+
+
+@pytest.mark.slow
+def test_an_outsiders_gather_casts_are_called_once_per_region_and_row_wise_gradient(tmp_path):
+    """Tensor parallel hands the outsider's input cast each region's input split along the sequence, once for all
+    its readers (the feed-forward's, 4 blocks a step; the attention's never, one of its readers kept its precision
+    after tp's stage), and its gradient cast each row-wise output's gradient split along the sequence (2 a block);
+    the casts change nothing, so the step is one process's. One process calls neither."""
+    env = install_plugins(tmp_path / "site", {"watch": (GATHER_WATCH, "keep: [attention.wk]\n")}, "watch-plugin",
+                          plugin_objects={"watch": "Watch"})
+    one = run_job([*TINY, "+plugins=[watch]"], tmp_path / "one", env=env)
+    split = run_job([*TINY, "+plugins=[watch,tp]", "plugins.tp.degree=2"], tmp_path / "tp", env=env)
+    report = compare(split, one)
+    assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+    blocks = 4
+    assert {(m["inputs_cast"], m["gradients_cast"]) for m in split.metrics} == {(blocks, 2 * blocks)}, split.metrics
+    assert {(m["inputs_cast"], m["gradients_cast"]) for m in one.metrics} == {(0, 0)}
+
+
 def test_training_data_from_a_plugin_without_validation_data_is_refused_when_validating(tmp_path):
     """The core's held-out text would validate a model trained on other data: refused before launch, and
     without validation the plugin's batches train."""

@@ -13,6 +13,7 @@ With ``--calls`` each rank writes instead the collectives it issues in its secon
 way to count the calls of collectives whose sizes come from another rank (expert parallel's all-to-all).
 """
 
+import collections
 import contextlib
 import functools
 import gc
@@ -39,6 +40,7 @@ from torch.distributed.pipelining import stage as pipeline_stage
 from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_core import PP, attention, canonical_name, objective
 from titan_core.mesh import ParallelMesh
@@ -286,6 +288,30 @@ class _CountedCalls:
             self._counter.calls += 1
             return found(*args, **kwargs)
         return counted
+
+
+class _CollectiveBytes(TorchDispatchMode):
+    """The bytes each collective's input holds, by the collective and its dtype (a float8 tensor's by its data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _collective(func):
+            for tensor in args[0] if isinstance(args[0], (list, tuple)) else [args[0]]:
+                data = getattr(tensor, "_data", tensor)
+                self.bytes[f"{func.__name__.split('.')[0]} {str(data.dtype).removeprefix('torch.')}"] += (
+                    data.numel() * data.element_size())
+        return func(*args, **(kwargs or {}))
+
+
+def collective_bytes(config, registry, plan) -> dict[str, int]:
+    """Bytes of the inputs of the collectives this rank issues in its second training step, by ``"<collective>
+    <dtype>"``."""
+    counter = _CollectiveBytes()
+    _counted(config, registry, plan, counter)
+    return dict(counter.bytes)
 
 
 def reduce_scatters(config, registry, plan) -> int:

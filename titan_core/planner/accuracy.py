@@ -31,14 +31,14 @@ class ErrorBand:
                 f"{self.speed_worst:+.0%}")
 
 
-# bench/planner_vs_seeds.py, 2026-12-05: published runs per card (each card's efficiency set from one or two of
+# bench/planner_vs_seeds.py, 2026-12-06: published runs per card (each card's efficiency set from one or two of
 # them, named in titan_core/planner/hardware.py).
 _H100 = ErrorBand("36 published Llama 3 runs on H100s (21 with memory), bench/planner_vs_seeds.py", 0.051, -0.173,
-                  0.084, 0.249)
+                  0.078, 0.252)
 _BY_PROFILE = {
     **{name: _H100 for name in ("h100_sxm", "h100_sxm_96gb", "h100_pcie", "h100_nvl")},
     "h200": ErrorBand("2 published Llama 3 runs on H200s, one setting its efficiencies, "
-                      "bench/planner_vs_seeds.py", 0.059, -0.068, 0.011, 0.020),
+                      "bench/planner_vs_seeds.py", 0.059, -0.068, 0.018, -0.027),
     "a100": ErrorBand("3 published Llama 3 runs on A100s, one setting its efficiency, bench/planner_vs_seeds.py",
                       None, None, 0.038, -0.081),
     "mi300x": ErrorBand("4 published Llama 3 runs on MI300Xs, two setting its efficiencies, bench/planner_vs_seeds.py",
@@ -51,7 +51,7 @@ _BY_PROFILE = {
 _BY_DEVICE_TYPE = {
     # Any other GPU: every published row of every card.
     "cuda": ErrorBand("45 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.051, -0.173,
-                      0.072, 0.249),
+                      0.067, 0.252),
     # Any other CPU profile (one --calibrate wrote fits one process): the same tracked plans, and the tokens/s of
     # bench/parallel_step_time.py's 9 plans of several workers relative to one process.
     "cpu": ErrorBand("35 plans tracked on this CPU and 9 plans' step times relative to one process, docs/planner.md",

@@ -29,7 +29,8 @@ def _convert(recipe="tensorwise", filter_fqns=(), all_gather=False, **args):
         model = Transformer(LlamaArgs(**{**TINY_ARGS, **args}))
     options = OmegaConf.create({"recipe": recipe, "filter_fqns": list(filter_fqns),
                                 "fsdp_float8_all_gather": all_gather})
-    plugin.convert_modules(model, options, type("Plan", (), {"model": describe(model.args)})())
+    plugin.convert_modules(model, OmegaConf.create({"launch": {"device": "cpu"}}), options,
+                           type("Plan", (), {"model": describe(model.args)})())
     return model
 
 

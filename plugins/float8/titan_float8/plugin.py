@@ -18,8 +18,8 @@ import logging
 import torch
 from torch import nn
 
-from titan_core import (DATA_PARALLEL_SHARDING, ConfigError, Declaration, canonical_name, device_kind, evaluated,
-                        hookimpl)
+from titan_core import (DATA_PARALLEL_SHARDING, ConfigError, Declaration, GatherCasts, canonical_name, cast_gathers,
+                        device_kind, evaluated, hookimpl)
 from titan_float8.measured import SPEEDUPS, speedup
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -71,14 +71,16 @@ def validate(config, plugin_config, plan):
 
 
 @hookimpl
-def convert_modules(model, plugin_config, plan):
-    """float8: swap the model's convertible Linear layers for torchao's float8 (or MXFP8) training ones."""
+def convert_modules(model, config, plugin_config, plan):
+    """float8: swap the model's convertible Linear layers for torchao's float8 (or MXFP8) training ones; with
+    tensorwise scales, tensor parallel gathers their inputs and output gradients in float8."""
     skipped = (*plan.model.float8_skip, *plugin_config.filter_fqns)
     with torchao_noise_at_debug():
         if plugin_config.recipe in MXFP8_RECIPES:
             convert_mxfp8(model, plugin_config.recipe, skipped)
         else:
-            convert_float8_linears(model, plugin_config.recipe, skipped, plugin_config.fsdp_float8_all_gather)
+            convert_float8_linears(model, plugin_config.recipe, skipped, plugin_config.fsdp_float8_all_gather,
+                                   device_kind(config.launch.device))
 
 
 class _AtDebug(logging.Handler):
@@ -106,14 +108,54 @@ def torchao_noise_at_debug():
             logger.propagate = propagate
 
 
-def convert_float8_linears(model: nn.Module, recipe: str, skipped, fsdp_float8_all_gather: bool) -> None:
+def convert_float8_linears(model: nn.Module, recipe: str, skipped, fsdp_float8_all_gather: bool,
+                           device: str) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     float8_config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_float8_all_gather:
         float8_config = dataclasses.replace(float8_config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=float8_config,
                                module_filter_fn=lambda module, fqn: converts(module, fqn, skipped, 16))
+    if recipe == "tensorwise":  # one scale a tensor: a shard cast before tensor parallel's gather casts alike
+        if device == "cpu":
+            gather_float8_as_bytes()
+        for module in model.modules():
+            if isinstance(module, Float8Linear):
+                cast_gathers(module, tensorwise_gather_casts(module))
+
+
+def gather_float8_as_bytes() -> None:
+    """gloo has no float8 type ("Invalid scalar type" at the first gather): torchao's all-gather of its float8
+    tensors, whose bytes NCCL moves as they are, moves them through a uint8 view on the CPU too. It is
+    registered in torchao's table of its tensors' operators, for the process: the same for every run."""
+    from torchao.float8 import float8_ops
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    def gathered_as_bytes(aten_op, args, kwargs=None):
+        shard = args[0]
+        data = aten_op(shard._data.contiguous().view(torch.uint8), *args[1:], **(kwargs or {}))
+        return Float8TrainingTensor(data.view(shard._data.dtype), shard._scale, shard._orig_dtype,
+                                    shard._linear_mm_config, shard._gemm_input_role)
+    for op in (torch.ops._c10d_functional.all_gather_into_tensor.default,
+               torch.ops.c10d_functional.all_gather_into_tensor.default):
+        float8_ops.FLOAT8_OPS_TABLE[op] = gathered_as_bytes
+
+
+def tensorwise_gather_casts(linear) -> GatherCasts:
+    """Tensor parallel's gathers in float8, as the linear would cast what they bring: one scale for the whole
+    tensor, its amax reduced over the shards (torchao's float8 tensor-parallel styles)."""
+    from torchao.float8.float8_scaling_utils import NoopFwToFloat8BwDynamic, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    config, mm_config = linear.config, linear.linear_mm_config
+    return GatherCasts(
+        input=lambda stream: hp_tensor_to_float8_dynamic(stream, config.cast_config_input.target_dtype, mm_config,
+                                                         gemm_input_role=GemmInputRole.INPUT),
+        output_grad=lambda output: NoopFwToFloat8BwDynamic.apply(output, mm_config,
+                                                                 config.cast_config_grad_output.target_dtype),
+        same=(config.cast_config_input, mm_config))
 
 
 def convert_mxfp8(model: nn.Module, recipe: str, skipped) -> None:
@@ -166,6 +208,8 @@ def estimate_costs(estimate, plugin_config, plan):
     estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
     measured = SPEEDUPS.get(plugin_config.recipe, {}).get(hardware.chip)
     converted = converted_linears(plan, plugin_config)
+    if plugin_config.recipe == "tensorwise":  # tensor parallel's gathers in float8 (GatherCasts)
+        estimate.gathered_itemsize = lambda e, index, path: 1 if converted(e, index, path) else None
     if plugin_config.fsdp_float8_all_gather:
         estimate.gather_bytes = functools.partial(float8_gather_bytes, converted=converted)
     if hardware.fp8_tflops:
@@ -210,7 +254,12 @@ def converted_linears(plan, plugin_config):
 
 def rank_converted(estimate, converted) -> list:
     """The rank's block linears the plugin converts, as the rank computes them."""
-    return [linear for i in estimate.blocks for path, linear in estimate.rank_linears(i).items()
+    return [linear for _, _, linear in rank_converted_at(estimate, converted)]
+
+
+def rank_converted_at(estimate, converted) -> list[tuple[int, str, object]]:
+    """The same with each one's block index and path in the block."""
+    return [(i, path, linear) for i in estimate.blocks for path, linear in estimate.rank_linears(i).items()
             if converted(estimate, i, path)]
 
 
@@ -222,11 +271,14 @@ def cast_traffic(plugin_config, converted):
 
     def cast_bytes(e):
         # Each linear casts what it computes on: under tensor parallel a column-wise one its gathered input, a
-        # row-wise one its result's whole gradient (checked against the shapes torchao casts in a real step).
-        linears = rank_converted(e, converted)
-        activations = sum((inputs + rescaled) * linear.inputs + gradients * linear.outputs
-                          for linear in linears) * e.microbatch_tokens
-        linear_weights = sum(linear.weights for linear in linears)
+        # row-wise one its result's whole gradient (checked against the shapes torchao casts in a real step), but
+        # what tensor parallel casts before gathering (Estimate.cast_shares).
+        linears = rank_converted_at(e, converted)
+        shares = e.cast_shares or (lambda e, i, path: (1.0, 1.0))
+        activations = sum((inputs + rescaled) * linear.inputs * own_input + gradients * linear.outputs * own_grad
+                          for i, path, linear in linears
+                          for own_input, own_grad in [shares(e, i, path)]) * e.microbatch_tokens
+        linear_weights = sum(linear.weights for _, _, linear in linears)
         casts = weights * linear_weights / (1 if gathered_cast else e.state_shards)
         return (activations + casts + rescaled * linear_weights) * e.microbatches_per_step()
     return cast_bytes

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from titan_core import ConfigError, ModelDescription, attribute, canonical_name, lacks, local_box
+from titan_core import ConfigError, ModelDescription, attribute, canonical_name, keep_precision, lacks, local_box
 
 FIELD = "plugins.lora"
 ROLES = ("attention", "mlp")  # the description's block_regions, in their order
@@ -110,6 +110,7 @@ def add_adapter(linear: nn.Linear, rank: int, scaling: float, dropout: float) ->
     linear.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
     linear.lora_scaling = scaling
     linear.register_forward_hook(add_low_rank_update)
+    keep_precision(linear)  # the adapter reads its input and adds to its output, in the stream's precision
 
 
 def add_low_rank_update(linear: nn.Linear, inputs: tuple, output: torch.Tensor) -> torch.Tensor:

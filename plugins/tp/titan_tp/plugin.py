@@ -20,6 +20,7 @@ ranks, sending each rank's tokens to the experts' ranks, so no expert is compute
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from titan_core import (COMPILE, CP, DATA_PARALLEL_SHARDING, DP_SHARD, PARTIAL_DATA_PARALLEL, TENSOR_PARALLEL, TP,
-                        ConfigError, Declaration, TensorParallelLayout, attribute, device_kind, hookimpl, lacks,
-                        replicate_only_over)
+                        ConfigError, Declaration, TensorParallelLayout, attribute, device_kind, gather_casts, hookimpl,
+                        lacks, replicate_only_over)
 
 # The ranks over which a mixture-of-experts layer computing its share of the tokens is whole: its sharder sums
 # its gradients over all of them.
@@ -150,7 +151,8 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
         plan |= {name: SequenceParallel() for name in layout.block_norms}
     parallelize_module(block, tp_mesh, plan)
     for name in filter(weights_split, layout.block_regions):
-        enter_whole(block.get_submodule(name), tp_mesh, sp)
+        readers = [block.get_submodule(path) for path in stream_readers(layout, name)]
+        enter_whole(block.get_submodule(name), tp_mesh, sp, readers)
     if not sp:
         for name in layout.block_norms:
             replicate_norm(block.get_submodule(name), tp_mesh)
@@ -162,6 +164,22 @@ def apply_block_plan(block: nn.Module, layout: TensorParallelLayout, tp_mesh, sp
         split_by_heads(block, name, tp_mesh)
     if experts_layer is not None:
         split_tokens(block.get_submodule(experts_layer), tp_mesh, sp)
+
+
+def stream_readers(layout: TensorParallelLayout, region: str) -> list[str]:
+    """The paths of the linears of ``region`` that read the stream entering it: its column-wise ones, unless whole
+    modules take the stream there (low-rank attention), whose outputs those linears read instead."""
+    if any(within(path, region) for path in layout.block_replicated):
+        return []
+    return [path for path in layout.block_colwise if within(path, region)]
+
+
+def shared_input_cast(linears: list[nn.Module]):
+    """The cast every one of ``linears`` asks for its gathered input (the same for all), or None."""
+    casts = [gather_casts(linear) for linear in linears]
+    if not casts or any(c is None or c.input is None for c in casts) or len({c.same for c in casts}) > 1:
+        return None
+    return casts[0].input
 
 
 def within(path: str, module: str | None) -> bool:
@@ -190,7 +208,16 @@ class OwnColwise(SplitsOwnWeights, ColwiseParallel):
 
 
 class OwnRowwise(SplitsOwnWeights, RowwiseParallel):
-    """RowwiseParallel of the linear's own weight and bias."""
+    """RowwiseParallel of the linear's own weight and bias; an output split along the sequence, whose gradient
+    backward gathers, has that gradient cast first when the linear asks (``GatherCasts.output_grad``)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, device_mesh)
+        casts = gather_casts(mod)
+        if casts is not None and casts.output_grad is not None and any(p.is_shard() for p in output_layouts):
+            outputs = casts.output_grad(outputs)
+        return outputs.to_local() if use_local_output else outputs
 
 
 def split_tokens(layer: nn.Module, tp_mesh, sp: bool) -> None:
@@ -217,16 +244,21 @@ def split_tokens(layer: nn.Module, tp_mesh, sp: bool) -> None:
     replicate_only_over(layer, TOKEN_SPLIT_REPLICAS)
 
 
-def enter_whole(region: nn.Module, tp_mesh, sp: bool) -> None:
+def enter_whole(region: nn.Module, tp_mesh, sp: bool, readers: list[nn.Module]) -> None:
     """The residual stream (the region's first argument) enters a sub-layer as one replicated DTensor that all its
-    linears share: under sequence parallel gathered once, not once per projection; in backward the column-wise
-    linears' partial input gradients add up before one reduction (a reduce-scatter, or without sequence parallel an
+    linears share: under sequence parallel gathered once, not once per projection, and cast before the gather when
+    every linear reading it asks for the same cast (``GatherCasts.input``); in backward the column-wise linears'
+    partial input gradients add up before one reduction (a reduce-scatter, or without sequence parallel an
     all-reduce), where a plain tensor would have each linear all-reduce its own. Other arguments (RoPE tables,
     masks) pass untouched."""
     def enter(module, args):
         stream = args[0]  # a DTensor when a sequence-parallel norm produced it
         if not isinstance(stream, DTensor):
             stream = DTensor.from_local(stream, tp_mesh, [Shard(1) if sp else Replicate()], run_check=False)
+        # Read at each call: a conversion after this plugin's stage may keep a reader's precision.
+        cast = shared_input_cast(readers) if sp else None
+        if cast is not None:
+            stream = cast(stream)
         return (stream.redistribute(placements=[Replicate()]), *args[1:])
     region.register_forward_pre_hook(enter)
 
@@ -299,16 +331,18 @@ def estimate_costs(estimate, plugin_config, plan):
         estimate.sparse_units.append(TOKEN_SPLIT_REPLICAS)
     # Kept whole on every rank: what has the residual stream's shape without sequence parallel (norms, sums),
     # and with it the column-wise linears' inputs, gathered along the sequence (two per block).
-    facts = estimate.facts
+    facts, layout, sp = estimate.facts, plan.model.tensor_parallel, plugin_config.sequence_parallel
     saved = max(facts.block_saved, default=0.0)
-    whole = (2 * facts.block_input if plugin_config.sequence_parallel
-             else max(facts.block_stream_saved, default=0.0))
+    whole = 2 * facts.block_input if sp else max(facts.block_stream_saved, default=0.0)
     estimate.activation_split *= saved / ((saved - whole) / degree + whole) if saved > whole else 1
-    if plugin_config.sequence_parallel:
+    if sp:
         estimate.stream_split *= degree
+        estimate.cast_shares = functools.partial(cast_shares, layout=layout, degree=degree)
+        # What the column-wise linears keep of their gathered input, cast before the gather, is that narrow.
+        estimate.saved_narrower = lambda e, index: e.facts.block_input * sum(
+            1 - size for name, size in gathered_sizes(e, index, layout).items() if name in layout.block_regions)
     # A column-wise linear computes on its whole input (gathered, or replicated) and leaves its result split; a
     # row-wise one the other way round (its result a partial sum of the stream's shape).
-    layout = plan.model.tensor_parallel
     estimate.linear_splits.update({**{path: (1, degree) for path in layout.block_colwise},
                                    **{path: (degree, 1) for path in layout.block_rowwise}})
     # torch's backward of a vocabulary-split embedding makes the gradient of the whole table before keeping its
@@ -346,21 +380,22 @@ def estimate_costs(estimate, plugin_config, plan):
     # block from the layout; the embeddings', the output's and the loss's besides. With sequence parallel the
     # norms' gradients, partial sums over the sequence, are all-reduced once more when data-parallel sharding
     # reduces them too.
-    sp = plugin_config.sequence_parallel
     sharded = plan.provides(DATA_PARALLEL_SHARDING)
-    experts = plan.model.experts
-    blocks = {False: block_collectives(layout, sp, sharded, None)}
-    if experts is not None:
-        blocks[True] = block_collectives(layout, sp, sharded, experts.layer)
+    experts_layer = plan.model.experts.layer if plan.model.experts is not None else None
     outer = (4 + sharded * len(layout.final_norms)) if sp else 2
 
     def each_block(e):
         sparse = set(e.sparse_blocks())
-        return ((blocks[i in sparse], e.recomputes(i)) for i in e.blocks)
+        return ((block_collectives(layout, sp, sharded, experts_layer if i in sparse else None,
+                                   gathered_sizes(e, i, layout) if sp else {}), e.recomputes(i)) for i in e.blocks)
 
     def streams(e):  # bytes a rank sends per step
-        return (sum(block.streams(recomputes) for block, recomputes in each_block(e)) * e.facts.block_input
-                * e.microbatch_tokens * e.microbatches_per_step() * (degree - 1) / degree)
+        # The embeddings' output reduced and its gradient gathered back (or both all-reduced: as many bytes), the
+        # output layer's input gathered and its gradient reduced; without loss parallel the logits gathered whole.
+        outer = (2 * e.holds_inputs + 2 * e.holds_outputs) * e.facts.block_input
+        outer += e.holds_outputs * (not plugin_config.loss_parallel) * e.facts.outer_logits
+        blocks = sum(block.streams(recomputes) for block, recomputes in each_block(e)) * e.facts.block_input
+        return (blocks + outer) * e.microbatch_tokens * e.microbatches_per_step() * (degree - 1) / degree
 
     hidden = ASYNC_TP_HIDDEN if plugin_config.async_tp else 0.0
     estimate.add_collective(
@@ -372,6 +407,33 @@ def estimate_costs(estimate, plugin_config, plan):
                                 lambda e: streams(e) * hidden, overlapped=True, plugin="tp", calls=0)
 
 
+def gathered_sizes(estimate, index: int, layout: TensorParallelLayout) -> dict[str, float]:
+    """What block ``index``'s gathers move relative to the stream in the compute dtype where a conversion casts the
+    shard first (``Estimate.gathered_itemsize``, as ``GatherCasts`` at run time), by region (its input, when every
+    reader asks for the same) and by row-wise linear (its output's gradient); the rest move the stream as it is."""
+    asked = estimate.gathered_itemsize
+    if asked is None:
+        return {}
+    wide = estimate.compute_dtype.itemsize
+    sizes = {path: size / wide for path in layout.block_rowwise if (size := asked(estimate, index, path))}
+    for region in layout.block_regions:
+        readers = {asked(estimate, index, path) for path in stream_readers(layout, region)}
+        if len(readers) == 1 and (size := readers.pop()):
+            sizes[region] = size / wide
+    return sizes
+
+
+def cast_shares(estimate, index: int, path: str, layout: TensorParallelLayout, degree: int) -> tuple[float, float]:
+    """What the linear at ``path`` casts itself of its input and of its output's gradient (``Estimate.cast_shares``):
+    a region's input cast before its gather is cast once, on the shard (counted on its first reader); a row-wise
+    linear's output gradient, on its shard."""
+    sizes = gathered_sizes(estimate, index, layout)
+    region = next((r for r in layout.block_regions if within(path, r)), None)
+    if region in sizes and path in (readers := stream_readers(layout, region)):
+        return (1 / degree if path == readers[0] else 0.0), 1.0
+    return 1.0, (1 / degree if path in sizes and path in layout.block_rowwise else 1.0)
+
+
 @dataclass(frozen=True)
 class BlockCollectives:
     """One block's collective calls under tp in forward and in backward, and the residual stream's sizes they move
@@ -380,33 +442,36 @@ class BlockCollectives:
 
     forward: int
     backward: int
-    forward_streams: int
-    backward_streams: int
-    output_streams: int
+    forward_streams: float
+    backward_streams: float
+    output_streams: float
 
     # A checkpointed block runs its forward again in backward, collectives included, up to the last result its
     # backward needs (torch's early stop): all but a reduction making the block's output, which nothing needs.
     def calls(self, recomputes: bool) -> int:
         return self.forward + self.backward + recomputes * (self.forward - bool(self.output_streams))
 
-    def streams(self, recomputes: bool) -> int:
+    def streams(self, recomputes: bool) -> float:
         return self.forward_streams + self.backward_streams + recomputes * (self.forward_streams - self.output_streams)
 
 
-def block_collectives(layout: TensorParallelLayout, sp: bool, sharded: bool,
-                      experts_layer: str | None) -> BlockCollectives:
+def block_collectives(layout: TensorParallelLayout, sp: bool, sharded: bool, experts_layer: str | None,
+                      sizes: dict[str, float]) -> BlockCollectives:
     """A dense block's collectives, or with ``experts_layer`` a sparse block's, whose layer there splits its
-    tokens instead of its weights."""
+    tokens instead of its weights; a gather named in ``sizes`` (:func:`gathered_sizes`) moves that share of the
+    stream."""
     forward = backward = forward_streams = backward_streams = output_streams = 0
     reduction = 1 if sp else 2  # a reduce-scatter, or an all-reduce
     for region in layout.block_regions:
         if within(region, experts_layer):
             continue
-        rowwise = sum(within(path, region) for path in layout.block_rowwise)
+        rowwise = [path for path in layout.block_rowwise if within(path, region)]
         # The stream enters gathered (sequence parallel); each row-wise linear's output is reduced, its gradient
         # gathered back (sequence parallel).
-        forward, forward_streams = forward + sp + rowwise, forward_streams + sp + rowwise * reduction
-        backward, backward_streams = backward + sp * rowwise, backward_streams + sp * rowwise
+        forward += sp + len(rowwise)
+        forward_streams += sp * sizes.get(region, 1.0) + len(rowwise) * reduction
+        backward += sp * len(rowwise)
+        backward_streams += sp * sum(sizes.get(path, 1.0) for path in rowwise)
         output_streams = reduction if rowwise else 0
         if any(within(path, region) for path in layout.block_replicated):
             # Low-rank attention: whole modules take the stream, whose gradient is then whole on every rank; each
