@@ -17,8 +17,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the objective     add_loss, IGNORE_INDEX; the optimizer's groups: parameter_role, PARAMETER_ROLES, param_groups
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
     data-parallel     replicate_only_over, replicated_over
-    tensor parallel   GatherCasts, cast_gathers, gather_casts, keep_precision (a converted linear's gathered
-                      tensors cast before they travel)
+    tensor parallel   GatherCasts, cast_gathers, gather_casts, keep_precision (gathered tensors cast to travel)
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
     tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model,
                       folder_config
@@ -37,7 +36,7 @@ from titan_core.data_parallel import replicate_only_over, replicated_over
 from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, ModelDescription, ParamInit,
                                     TensorParallelLayout, attribute, canonical_name, drop, lacks, read_options, replace)
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
-from titan_core.gather_casts import GatherCasts, cast_gathers, gather_casts, keep_precision
+from titan_core.narrow_gathers import GatherCasts, cast_gathers, gather_casts, keep_precision
 from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.huggingface import HFAdapter, StoredLayout, check_hf_config
 from titan_core.initialization import local_box
