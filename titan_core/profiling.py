@@ -72,6 +72,8 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
+        # Kineto prints a line at every start and stop whatever its log level up to errors (6 is above its last).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         # A schedule (recording throughout) makes the profiler mark each step as a range ProfilerStep#<n>,
         # numbered from the training step it starts at.
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=True,
