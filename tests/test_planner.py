@@ -1800,6 +1800,14 @@ def test_a_plugin_without_the_hook_is_reported_not_counted():
     assert result.not_counted == ["checkpoint"]
 
 
+def test_the_trackers_are_counted_as_costing_the_devices_nothing():
+    *_, plain = _estimate()
+    *_, tracked = _estimate("+plugins=[wandb,mlflow]", "plugins.wandb.mode=offline")
+    assert sorted(tracked.counted) == ["mlflow", "wandb"] and not tracked.not_counted
+    assert sum(tracked.memory().values()) == sum(plain.memory().values())
+    assert tracked.step_seconds() == plain.step_seconds()
+
+
 @pytest.mark.parametrize("args, field, words", [
     (["--hardware", "tpu9"], "--hardware", "unknown hardware 'tpu9'"),
     (["--hardware", "a100", "+plugins=[fsdp,float8]", "launch.world_size=2"], "plugins.float8", "no float8 matmuls"),

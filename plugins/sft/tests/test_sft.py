@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from titan_core import IGNORE_INDEX, document_ids, load_tokenizer, tokenizer_file
+from titan_core.planner.cli import job_estimate
 from titan_core.testing import (LOSS_TOL, PARAM_TOL, TINY, built_model, compare, config_error, error_line, merged,
                                 run_job)
 from titan_sft.chat import ChatRenderer
@@ -124,6 +125,15 @@ def test_every_plan_trains_on_the_replies_like_one_process(tokenizer_folder, one
     result = run_job([*sft_job(tokenizer_folder, plugin), *options], tmp_path)
     report = compare(result, one_process)
     assert report.max_loss_diff <= LOSS_TOL and report.max_param_diff <= PARAM_TOL, report
+
+
+def test_the_planner_counts_chat_fine_tuning_as_the_cores_rows_and_masks(tokenizer_folder):
+    job = sft_job(tokenizer_folder)
+    _, chat = job_estimate(["--hardware", "h100", *job])
+    _, plain = job_estimate(["--hardware", "h100", *(o for o in job if "sft" not in o), "+plugins=[]"])
+    assert "sft" in chat.counted and not chat.not_counted
+    assert chat.facts.attention_masks  # packed rows' document masks, traced
+    assert sum(chat.memory().values()) == sum(plain.memory().values())
 
 
 def test_rows_resume_where_they_stopped_and_hold_whole_conversations(tokenizer_folder):
