@@ -2137,6 +2137,9 @@ def test_the_estimate_says_by_how_much_it_fits_and_how_far_off_the_planner_has_b
     assert text.splitlines()[-1] == ("  expected error (against 35 plans tracked on this CPU and 9 plans' step times "
                                      "relative to one process, docs/planner.md): memory mean 1%, worst -3%; tokens/s "
                                      "mean 25%, worst +67%")
+    lines = {line.split(":")[0].strip(): line for line in text.splitlines()}  # each figure with its band beside it
+    assert lines["memory per rank (the most loaded), at its peak"].endswith("[expected error: mean 1%, worst -3%]")
+    assert lines["throughput"].endswith("[expected error: mean 25%, worst +67%]")
     tight = dataclasses.replace(small, hardware=dataclasses.replace(CPU, memory_gib=total / GIB, device_type="cuda"))
     over = total - tight.hardware.usable_gib * GIB
     text = report(tight)
@@ -2165,6 +2168,10 @@ def test_the_estimate_prints_what_the_allocator_reserves_and_why():
     assert _printed_bytes(text, "memory per rank (the most loaded), at its peak:") == pytest.approx(
         allocated, abs=0.006 * 2**20)
     assert "fsdp: the reduce-scatters' stream" in text and "core: the logits' room" in text
+    # A GPU's memory band measures what published runs give, the reserved figure, and is printed beside it.
+    band = [line for line in text.splitlines() if "[expected error:" in line]
+    assert [line.split(":")[0].strip() for line in band] == ["reserved by the caching allocator at that peak",
+                                                              "throughput"]
     assert sharded.reserved() == sum(sharded.memory().values()) and "reserved by" not in report(sharded)
 
 

@@ -30,6 +30,15 @@ class ErrorBand:
         return (f"expected error (against {self.source}): {memory}; tokens/s mean {self.speed_mean:.0%}, worst "
                 f"{self.speed_worst:+.0%}")
 
+    def memory_note(self) -> str:
+        """What follows the memory figure: its expected error, or nothing where no run published memory."""
+        return "" if self.memory_mean is None else (f"  [expected error: mean {self.memory_mean:.0%}, worst "
+                                                    f"{self.memory_worst:+.0%}]")
+
+    def speed_note(self) -> str:
+        """What follows the tokens/s figure: its expected error."""
+        return f"  [expected error: mean {self.speed_mean:.0%}, worst {self.speed_worst:+.0%}]"
+
 
 # bench/planner_vs_seeds.py, 2026-12-06: published runs per card (each card's efficiency set from one or two of
 # them, named in titan_core/planner/hardware.py).

@@ -164,6 +164,7 @@ def report(result: Estimate) -> str:
     memory = result.memory()
     total = sum(memory.values())
     stepping = memory == result.step_peak()
+    band = error_band(hardware.name, hardware.device_type)
     shape = " x ".join(f"{d} {n}" for d, n in plan.mesh_shape.items()) or "one process"
     lines = [f"titan-core estimate: {plan.model.family}, world {plan.world_size} ({shape}), "
              f"{hardware.name} ({hardware.memory_gib:.1f} GiB, {hardware.peak_tflops():.3g} TFLOPS bf16 dense)",
@@ -188,12 +189,15 @@ def report(result: Estimate) -> str:
                           "held": " (across steps)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(nbytes)}{moment}")
     reserved = result.reserved()
-    if reserved > total:
+    memory_note = band.memory_note() if band else ""
+    if reserved > total:  # the figure published runs give, which a GPU's band measures
         lines.append(f"  reserved by the caching allocator at that peak: {_size(reserved)} (torch.cuda."
-                     f"max_memory_reserved; beyond what fits, it empties its cache and retries, slower)")
+                     f"max_memory_reserved; beyond what fits, it empties its cache and retries, slower){memory_note}")
         cached = [(plugin, what, evaluated(nbytes, result)) for _, what, nbytes, plugin, when in result.memory_terms
                   if when == "cached"]
         lines += [f"      {plugin}: {what} {_size(nbytes)}" for plugin, what, nbytes in cached if nbytes > 0]
+    else:
+        lines[1] += memory_note
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len
     flops = result.step_flops()
@@ -201,7 +205,7 @@ def report(result: Estimate) -> str:
                   f"{part} {value:.4g}" for part, value in seconds.items() if part != "step"),
               f"  FLOPs per rank per step: {flops:.4g}; MFU {flops / seconds['step'] / (result.peak_tflops() * 1e12):.1%}",
               f"  throughput: {result.tokens_per_device():,.0f} tokens/s/device "
-              f"({tokens / seconds['step']:,.0f} tokens/s for the job)"]
+              f"({tokens / seconds['step']:,.0f} tokens/s for the job){band.speed_note() if band else ''}"]
     for what, nbytes, plugin in result.traffic_terms:
         lines.append(f"  memory traffic {plugin}: {what}: {_size(evaluated(nbytes, result))} per step "
                      f"at {hardware.memory_gbps:.0f} GB/s")
@@ -211,7 +215,6 @@ def report(result: Estimate) -> str:
                      f"at {result.link_gbps(c.dims):.0f} GB/s{' (overlapped)' if c.overlapped else ''}")
     if result.not_counted:
         lines.append(f"  not counted (no estimate_costs hook): {', '.join(result.not_counted)}")
-    band = error_band(hardware.name, hardware.device_type)
     lines.append(f"  {band.describe()}" if band else f"  expected error: not measured on {hardware.device_type} devices")
     return "\n".join(lines)
 
