@@ -94,8 +94,7 @@ class MlflowTracker:
     @hookimpl
     def estimate_costs(self) -> None:
         """mlflow: nothing on the devices or in their collectives: rank 0 sends a logged step's values between steps
-        (a round trip to the tracking server on logging steps, which the planner leaves out as it does the core's
-        own logging)."""
+        (a round trip to the tracking server on logging steps, not priced: no hardware profile knows the server)."""
 
     @hookimpl
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
