@@ -1800,6 +1800,35 @@ def test_a_plugin_without_the_hook_is_reported_not_counted():
     assert result.not_counted == ["checkpoint"]
 
 
+# Two plugins written from docs/writing-plugins.md that cost the devices nothing: one says so, one has no hook.
+NOTIFIER = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs():
+    """notifier: nothing on the devices or in their collectives: rank 0 posts a logged step between steps."""
+'''
+UNPRICED = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def on_step_end(step):
+    """unpriced: does nothing in this test."""
+'''
+
+
+def test_an_outsiders_plugin_that_costs_nothing_says_so_and_is_counted(tmp_path):
+    env = install_plugins(tmp_path / "site", {"notifier": (NOTIFIER, ""), "unpriced": (UNPRICED, "")},
+                          "nothing-plugins")
+    counted = _plan_command("--hardware", "a100", *SMALL, "+plugins=[notifier]", env=env)
+    unpriced = _plan_command("--hardware", "a100", *SMALL, "+plugins=[unpriced]", env=env)
+    assert counted.returncode == unpriced.returncode == 0, counted.stderr + unpriced.stderr
+    assert "not counted" not in counted.stdout
+    assert "  not counted (no estimate_costs hook): unpriced" in unpriced.stdout.splitlines()
+
+
 def test_the_trackers_are_counted_as_costing_the_devices_nothing():
     *_, plain = _estimate()
     *_, tracked = _estimate("+plugins=[wandb,mlflow]", "plugins.wandb.mode=offline")
