@@ -26,18 +26,20 @@ class ErrorBand:
 
     def describe(self) -> str:
         memory = ("memory not published" if self.memory_mean is None
-                  else f"memory mean {self.memory_mean:.0%}, worst {self.memory_worst:+.0%}")
-        return (f"expected error (against {self.source}): {memory}; tokens/s mean {self.speed_mean:.0%}, worst "
-                f"{self.speed_worst:+.0%}")
+                  else f"memory {_spread(self.memory_mean, self.memory_worst)}")
+        return f"expected error (against {self.source}): {memory}; tokens/s {_spread(self.speed_mean, self.speed_worst)}"
 
     def memory_note(self) -> str:
         """What follows the memory figure: its expected error, or nothing where no run published memory."""
-        return "" if self.memory_mean is None else (f"  [expected error: mean {self.memory_mean:.0%}, worst "
-                                                    f"{self.memory_worst:+.0%}]")
+        return "" if self.memory_mean is None else f"  [expected error: {_spread(self.memory_mean, self.memory_worst)}]"
 
     def speed_note(self) -> str:
         """What follows the tokens/s figure: its expected error."""
-        return f"  [expected error: mean {self.speed_mean:.0%}, worst {self.speed_worst:+.0%}]"
+        return f"  [expected error: {_spread(self.speed_mean, self.speed_worst)}]"
+
+
+def _spread(mean: float, worst: float) -> str:
+    return f"mean {mean:.0%}, worst {worst:+.0%}"
 
 
 # bench/planner_vs_seeds.py, 2026-12-06: published runs per card (each card's efficiency set from one or two of

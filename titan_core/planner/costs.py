@@ -164,12 +164,14 @@ def report(result: Estimate) -> str:
     memory = result.memory()
     total = sum(memory.values())
     stepping = memory == result.step_peak()
+    reserved = result.reserved()
     band = error_band(hardware.name, hardware.device_type)
+    memory_note, speed_note = (band.memory_note(), band.speed_note()) if band else ("", "")
     shape = " x ".join(f"{d} {n}" for d, n in plan.mesh_shape.items()) or "one process"
     lines = [f"titan-core estimate: {plan.model.family}, world {plan.world_size} ({shape}), "
              f"{hardware.name} ({hardware.memory_gib:.1f} GiB, {hardware.peak_tflops():.3g} TFLOPS bf16 dense)",
              f"  memory per rank (the most loaded), at its peak{' (as the optimizer steps)' * stepping}: "
-             f"{_size(total)} ({_fit(total, hardware)})"]
+             f"{_size(total)} ({_fit(total, hardware)}){'' if reserved > total else memory_note}"]
     for category in CATEGORIES:
         lines.append(f"    {category:<12} {_size(memory[category]):>11}" + (
             "  (made in backward as the activations are freed)" if category == "gradients" and not memory[category]
@@ -188,16 +190,12 @@ def report(result: Estimate) -> str:
                           "unreleased": " (until backward has run each unit)",
                           "held": " (across steps)"}.get(when, "")
                 lines.append(f"      {plugin}: {what} {_size(nbytes)}{moment}")
-    reserved = result.reserved()
-    memory_note = band.memory_note() if band else ""
-    if reserved > total:  # the figure published runs give, which a GPU's band measures
+    if reserved > total:  # the figure published runs give, which a GPU's band measures, takes the memory band
         lines.append(f"  reserved by the caching allocator at that peak: {_size(reserved)} (torch.cuda."
                      f"max_memory_reserved; beyond what fits, it empties its cache and retries, slower){memory_note}")
         cached = [(plugin, what, evaluated(nbytes, result)) for _, what, nbytes, plugin, when in result.memory_terms
                   if when == "cached"]
         lines += [f"      {plugin}: {what} {_size(nbytes)}" for plugin, what, nbytes in cached if nbytes > 0]
-    else:
-        lines[1] += memory_note
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len
     flops = result.step_flops()
@@ -205,7 +203,7 @@ def report(result: Estimate) -> str:
                   f"{part} {value:.4g}" for part, value in seconds.items() if part != "step"),
               f"  FLOPs per rank per step: {flops:.4g}; MFU {flops / seconds['step'] / (result.peak_tflops() * 1e12):.1%}",
               f"  throughput: {result.tokens_per_device():,.0f} tokens/s/device "
-              f"({tokens / seconds['step']:,.0f} tokens/s for the job){band.speed_note() if band else ''}"]
+              f"({tokens / seconds['step']:,.0f} tokens/s for the job){speed_note}"]
     for what, nbytes, plugin in result.traffic_terms:
         lines.append(f"  memory traffic {plugin}: {what}: {_size(evaluated(nbytes, result))} per step "
                      f"at {hardware.memory_gbps:.0f} GB/s")
