@@ -5,7 +5,7 @@ loss hands autograd to keep for backward: the logits themselves if it keeps them
 backward holds beyond what it started with, as a sampler of the process's resident memory sees it; that memory
 follows every tensor here: each is larger than glibc's largest mmap threshold, 32 MiB, so allocated and freed
 straight from the kernel).
-Run in a fresh interpreter (tests/test_planner.py does) so nothing else moves it.
+Run in a fresh interpreter (tests/test_planner_memory.py does) so nothing else moves it.
 """
 
 import gc

@@ -519,6 +519,46 @@ def test_each_plugins_hooks_are_called_through_pluggy():
     assert ("declare", ["fsdp"]) in seen and ("describe_model", ["llama3"]) in seen
 
 
+VALIDATION_ROWS = """
+from titan_core import hookimpl
+
+
+@hookimpl
+def build_validation_batches(config, tokenizer, dp_rank, dp_size):
+    return []
+"""
+PRICED_IN_PLUGIN = """
+from titan_core import hookimpl
+
+
+@hookimpl
+def estimate_costs(estimate):
+    pass
+"""
+
+
+def test_every_builder_hook_needs_one_answer(tmp_path, monkeypatch):
+    """The hooks that need one answer are those the specs mark firstresult, not a hand-written list (which once
+    lacked build_validation_batches: two plugins implementing it passed, and the first silently won)."""
+    install_plugins(tmp_path / "site", {"rows_a": (VALIDATION_ROWS, ""), "rows_b": (VALIDATION_ROWS, "")},
+                    "rows-plugins")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(ConfigError, match="each of rows_a, rows_b implements build_validation_batches, which needs "
+                                          "one answer"):
+        Registry(compose(*TINY, "+plugins=[rows_a,rows_b]"))
+    assert Registry(compose(*TINY, "+plugins=[rows_a]")).owner("build_validation_batches") == "rows_a"
+
+
+def test_pricing_in_a_plugins_own_module_is_refused_in_one_line(tmp_path):
+    """The planner's hooks live in a pricing module of their own (titan_core.costs), which training never loads: a
+    plugin module implementing estimate_costs is refused before launch, naming where it goes."""
+    env = install_plugins(tmp_path / "site", {"priced": (PRICED_IN_PLUGIN, "")}, "priced-plugin")
+    line = error_line(run_job([*TINY, "launch.dry_run=true", "+plugins=[priced]"], tmp_path / "run",
+                              expect_success=False, env=env))
+    assert "plugins.priced: unknown hook 'estimate_costs'" in line
+    assert "the planner's hooks go in a pricing module registered under titan_core.costs" in line
+
+
 def test_a_plugin_that_fails_to_load_is_one_line(tmp_path):
     source = "from titan_core import hookimpl\nraise ImportError('no cuda')\n"
     env = install_plugins(tmp_path / "site", {"broken": (source, "")}, "broken-plugin")

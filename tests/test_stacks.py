@@ -43,7 +43,7 @@ def test_tp_compile_selective_ac(titan_reference, tmp_path, overrides):
 def test_float8_under_tensor_parallel_computes_as_float8_without_it(titan_reference, tmp_path, plugins, overrides,
                                                                     reference):
     """Tensor parallel gathers float8's tensorwise inputs and gradients in float8, cast on the shards with the whole
-    tensor's scale (tests/test_planner.py counts those bytes): the numbers of the same plan without tp, where a
+    tensor's scale (tests/test_planner_speed.py counts those bytes): the numbers of the same plan without tp, where a
     rank's own scale, or a cast dropped, moves the loss by 1e-4 and more. LoRA's adapters read their linears'
     inputs and add to their outputs: those gathers stay in the stream's precision (a float8 input failed in the
     adapter before)."""

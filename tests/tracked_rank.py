@@ -1,6 +1,6 @@
 """Peak memory by torch's memory tracker over one real training step of a plan, on one rank.
 
-Imported by tests/test_planner.py, which runs it in its own process under a fake process group (rank 0 of any
+Imported by tests/test_planner_*.py, which runs it in its own process under a fake process group (rank 0 of any
 plan; the other ranks' collectives move nothing but make their results at full size). Run as a script, it
 forks the N ranks of a real gloo world, each of which tracks its own step and writes ``<out>/rank<r>.json``: the
 way to track plans whose ranks exchange what a fake group cannot make up (a pipeline's stages send each other

@@ -21,9 +21,10 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
     tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model,
                       folder_config
-    the planner       Estimate, Hardware (what estimate_costs and plan_options receive), evaluated (a field given
-                      as a value or as a function of the estimate, read now)
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
+
+The planner is a room beside the core with a front door of its own, :mod:`titan_core.planner`, which a plugin's
+pricing module imports (training never does).
 """
 
 from titan_core.attention import (attention_mask, causal_attention, document_ids, grouped, masked_attention,
@@ -50,8 +51,6 @@ from titan_core.options import (FLOAT_DTYPES, compute_dtype, count_or_null, floa
 from titan_core.parameter_roles import PARAMETER_ROLES, param_groups, parameter_role
 from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Declaration, MeshDimension, Plan,
                              PlannedPlugin, rest_of)
-from titan_core.planner.estimate import Estimate, evaluated
-from titan_core.planner.hardware import Hardware
 from titan_core.plugins import build_meta_model, model_description
 from titan_core.rope import rope_frequencies, yarn_frequencies, yarn_mscale
 from titan_core.train_state import Stateful, TrainState
@@ -79,9 +78,8 @@ __all__ = [
     "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind", "replicate_only_over", "replicated_over",
     "GatherCasts", "cast_gathers", "gather_casts", "keep_precision",
     "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count",
-    # tools, the planner
+    # tools
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",
-    "Estimate", "Hardware", "evaluated",
     # errors
     "ConfigError", "StorageError", "EXIT_BAD_INPUT", "EXIT_STORAGE",
 ]

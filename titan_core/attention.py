@@ -157,6 +157,7 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
         mask = mask & (key_positions[None, :] > query_positions[:, None] - window)
     if query_documents is None:
         return mask[None]
+    assert key_documents is not None, "document ids come for both queries and keys, or for neither"
     return mask[None] & (query_documents[:, :, None] == key_documents[:, None, :])
 
 

@@ -42,7 +42,7 @@ def fresh_interpreter() -> bool:
 class ForkedJobs:
     """The client: a server process started on first use, one job at a time."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._server: subprocess.Popen | None = None
         self._answers = -1  # the read end of the server's answers
         self._said = ("", "")  # what the server's imports wrote to stdout and stderr
@@ -56,7 +56,9 @@ class ForkedJobs:
         with tempfile.TemporaryDirectory(prefix="titan-job-") as folder:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
             request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)}
-            self._server.stdin.write(json.dumps(request).encode() + b"\n")
+            server = self._server
+            assert server is not None and server.stdin is not None, "started above, reading a pipe (stdin=PIPE)"
+            server.stdin.write(json.dumps(request).encode() + b"\n")
             pid = self._answer(None)["pid"]
             try:
                 returncode = self._answer(timeout)["returncode"]

@@ -10,8 +10,9 @@ Who is called, and how the answers combine:
 
 * Models (``describe_model``, ``build_model``, ``hf_model_options``): the one model plugin that ``model.name``
   selects (``hf_model_options``: every installed one when it is null).
-* Planning (``declare``, ``validate``, ``estimate_costs``, ``plan_options``): in the launching process,
-  before any worker starts.
+* Planning (``declare``, ``validate``): in the launching process, before any worker starts. What a plan costs
+  is the planner's, beside this contract: its own hooks (``titan_core.planner.hookspecs``) are implemented in a
+  plugin's pricing module, registered under ``titan_core.costs``, which training never loads.
 * Ordered hooks (``convert_modules``, ``apply_parallelism``, ``after_init``, ``wrap_loss``) and events: every
   enabled plugin that implements the hook, one at a time in plan order (stage, then name; plugins without a
   stage last), then the model plugin. pluggy's own order (last registered first) is not used, so that
@@ -41,8 +42,6 @@ from torch import nn
 from titan_core.description import ModelDescription
 from titan_core.mesh import ParallelMesh
 from titan_core.plan import Declaration, Plan
-from titan_core.planner.estimate import Estimate
-from titan_core.planner.hardware import Hardware
 from titan_core.train_state import TrainState
 
 PROJECT = "titan_core"
@@ -84,43 +83,6 @@ def validate(config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
     :param config: The whole job config.
     :param plugin_config: This plugin's options.
     :param plan: The plan being checked.
-    """
-
-
-@hookspec
-def estimate_costs(estimate: Estimate, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
-    """Change one rank's estimated memory and step time as this plugin's technique changes them.
-
-    Runs in ``python -m titan_core.planner`` and the dry run, in the launching process, once per enabled
-    plugin in plan order, then for the model plugin, before anything is built. An enabled plugin without it is
-    reported as not counted; a model plugin needs it only for what its own hooks run besides the model, which
-    the planner traces (:class:`titan_core.ExpertRouting`: its balancing all-reduce after each step).
-
-    :param estimate: The ledger (:class:`titan_core.Estimate`), starting as the model alone on one process:
-        change the fields the technique changes and add its own collectives and buffers (``add_collective``,
-        ``add_memory``); docs/writing-plugins.md lists the fields.
-    :param config: The whole job config.
-    :param plugin_config: This plugin's options.
-    :param plan: The plan being estimated.
-    """
-
-
-@hookspec
-def plan_options(config: DictConfig, plugin_config: DictConfig, model: ModelDescription, world_size: int,
-                 hardware: Hardware) -> list[dict[str, Any] | None] | None:
-    """The settings of this plugin worth trying on a cluster, for ``python -m titan_core.planner --recommend``.
-
-    Runs once per plugin the command line enables, in the launching process. The core tries every
-    combination of the plugins' alternatives, drops those a ``validate`` refuses or that do not fit, and
-    ranks the rest. A plugin without it is tried with its options as given.
-
-    :param config: The whole job config.
-    :param plugin_config: This plugin's options as given.
-    :param model: The model's description.
-    :param world_size: The cluster's device count.
-    :param hardware: The cluster's accelerator profile.
-    :returns: Alternatives, each a dict of this plugin's options (``{}``: its defaults), or None in the list
-        when the plan may leave the plugin out.
     """
 
 

@@ -65,11 +65,11 @@ class ParallelMesh:
         for group in groups:
             dims = tuple(d for d in ((group,) if isinstance(group, str) else group)
                          if root is not None and d in root.mesh_dim_names)
-            if len(dims) > 1:
+            if root is not None and len(dims) > 1:
                 root[dims]._flatten("_".join(dims))  # idempotent: the root keeps the view
             if dims:
                 names.append("_".join(dims))
-        if not names:
+        if root is None or not names:
             return None
         with warnings.catch_warnings():
             # Slicing a flattened dimension off the root is what makes 2-D views such as

@@ -19,20 +19,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_core.planner.hardware import by_device_name
+from titan_core.devices import datasheet_by_device_name
 
 log = logging.getLogger("titan_core")
 
 
 def peak_tflops(configured: float | None, device: torch.device) -> tuple[float | None, str]:
     """Peak TFLOPS of one device and where the figure comes from: the user's, or an accelerator's datasheet
-    (titan_core.planner.hardware). Never measured: a peak measured while other work shares the device makes
+    (titan_core.devices). Never measured: a peak measured while other work shares the device makes
     MFU read high (85-93% on this CPU), so a CPU has none unless the user gives it."""
     if configured:
         return float(configured), "configured" + (" for this CPU" if device.type == "cpu" else "")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        profile = by_device_name(name)
+        profile = datasheet_by_device_name(name)
         if profile is None:
             return None, f"unknown accelerator '{name}', so no MFU: set metrics.peak_tflops to its dense bf16 peak"
         return profile.bf16_tflops, f"{name}: {profile.name} dense bf16 datasheet"
@@ -177,6 +177,7 @@ class MetricsLogger:
                  "%.3g TFLOPS/device%s | mem %.2f GiB%s | eta %s",
                  m["step"], self.steps, m["loss"], average, m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
                  m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], extra, _duration(eta_s))
+        assert self.jsonl is not None, "only the rank that writes logs, and it opened metrics.jsonl"
         self.jsonl.write(json.dumps(m) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:

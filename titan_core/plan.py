@@ -127,7 +127,7 @@ class Plan:
 
     def definition(self, dim: str) -> MeshDimension:
         """What the sized dimension ``dim`` is: the core's or the plugin's that declared it."""
-        return self.dimensions.get(dim, CORE_DIMENSIONS.get(dim))
+        return self.dimensions[dim] if dim in self.dimensions else CORE_DIMENSIONS[dim]
 
     def borrowed(self) -> dict[str, tuple[int, tuple[str, ...]]]:
         """For each borrowing dimension: its degree and the sized dimensions whose ranks it reuses."""
@@ -181,7 +181,7 @@ def _check_capabilities(planned: list[PlannedPlugin]) -> None:
 
 def _dimensions(planned: list[PlannedPlugin]) -> dict[str, MeshDimension]:
     """Every dimension the job may size, in mesh order: the core's with the plugins' inserted."""
-    order, definitions, owner = list(MESH_DIMS), dict(CORE_DIMENSIONS), {}
+    order, definitions, owner = list(MESH_DIMS), dict(CORE_DIMENSIONS), dict[str, str]()  # owner: dim -> plugin
     for p in planned:
         for dim, definition in p.declaration.dimensions.items():
             field_name = f"plugins.{p.name}"

@@ -10,13 +10,16 @@ nothing to act on: an implementation that asks for them is refused before launch
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
+from types import ModuleType
 
 import pluggy
 import torch
 
-from titan_core import default_hooks, hookspecs
+import titan_core.default_hooks as default_hooks
+import titan_core.hookspecs as hookspecs
 from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
@@ -28,8 +31,6 @@ MODEL_GROUP = "titan_core.models"
 CORE = "titan_core"  # the name the core's own default hooks are registered under
 # Every plugin option file carries this key, so that nodes made by `++plugins.x.y=...` are told apart.
 PLUGIN_MARKER = "_plugin_"
-BUILDER_HOOKS = ("describe_model", "build_model", "build_schedule", "build_optimizer", "build_lr_scheduler",
-                 "build_dataloader", "save_checkpoint", "load_checkpoint")
 # pluggy's options that order or wrap the implementations of one call: each call here has one implementation.
 UNHONOURED = ("wrapper", "hookwrapper", "tryfirst", "trylast")
 
@@ -101,6 +102,17 @@ def plugin_object(entry_point: EntryPoint) -> object:
                           f"fix or reinstall {distribution_name(entry_point)}") from None
 
 
+@dataclass(frozen=True, eq=False)
+class Room:
+    """Hooks beside the training contract, which a tool of the core calls and training never loads (the planner's
+    pricing): their specs, and for each plugin the objects implementing them, registered in ``group`` under the
+    plugin's name, plus what ``extra`` adds for a plugin object (pricing the core owns for a base class)."""
+
+    hookspecs: ModuleType
+    group: str
+    extra: Callable[[object], list[object]] = field(default=lambda plugin: [])
+
+
 class Registry:
     """The plugin objects of one run in one pluggy manager: the core's defaults, the model plugin and each
     enabled plugin, checked against the hook contract before anything runs."""
@@ -108,6 +120,9 @@ class Registry:
     def __init__(self, config, model_only: bool = False):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
+        self.registered: dict[str, object] = {}  # pluggy's name -> object
+        self.belongs_to: dict[str, str] = {}  # pluggy's name -> the plugin it belongs to
+        self.rooms: list[Room] = []
         self.model = model_name(config)
         self.names = [] if model_only else enabled_plugin_names(config)
         self.objects: dict[str, object] = {} if model_only else {CORE: default_hooks}
@@ -120,20 +135,35 @@ class Registry:
             self.objects[name] = plugin_object(installed[name])
         self.distributions = {name: distribution_name(installed[name]) for name in self.names}
         for name, plugin in self.objects.items():
-            self._register(plugin, name)
+            self._register(plugin, name, name)
         self._check()
         self._callers: dict[tuple[str, str], pluggy.HookCaller] = {}
+
+    def open_room(self, room: Room) -> None:
+        """Add ``room``'s hooks and, for the model plugin and each enabled plugin, its objects implementing them."""
+        if room in self.rooms:
+            return
+        self.rooms.append(room)
+        self.pm.add_hookspecs(room.hookspecs)
+        installed = _entry_points(room.group, "plugins")
+        for name, plugin in self.objects.items():
+            parts = ([plugin_object(installed[name])] if name in installed and name != CORE else []) + room.extra(plugin)
+            for index, part in enumerate(parts):
+                self._register(part, f"{name}:{room.group}:{index}", name)
+        self._check()
+        self._callers.clear()
 
     def field(self, name: str) -> str:
         """The config field a user sets to change plugin ``name``."""
         return "model.name" if name == self.model else f"plugins.{name}"
 
-    def _register(self, plugin, name: str) -> None:
+    def _register(self, plugin, registered_name: str, name: str) -> None:
         if not isinstance(plugin, Hashable):  # pluggy keeps plugins in sets
             raise ConfigError(self.field(name), f"plugin '{name}' is an object that cannot be hashed (its class "
                               "compares by value, as @dataclass does)", "use @dataclass(eq=False), or no __eq__")
         try:
-            self.pm.register(plugin, name=name)
+            self.pm.register(plugin, name=registered_name)
+            self.registered[registered_name], self.belongs_to[registered_name] = plugin, name
         except pluggy.PluginValidationError as error:
             raise ConfigError(self.field(name), f"plugin '{name}' does not fit the hook contract: {error}",
                               "fix the hook implementation's arguments (see titan_core.hookspecs)") from None
@@ -142,18 +172,20 @@ class Registry:
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as error:
-            raise ConfigError(self.field(self.pm.get_name(error.plugin)),
+            raise ConfigError(self.field(self.belongs_to[self.pm.get_name(error.plugin)]),
                               f"{error}".splitlines()[0].split(" in plugin ")[0],
-                              "rename the function to one of the hooks in titan_core.hookspecs") from None
+                              "rename the function to one of the hooks in titan_core.hookspecs (the planner's hooks "
+                              "go in a pricing module registered under titan_core.costs: docs/writing-plugins.md)"
+                              ) from None
         for hook_name in self.pm.hook.__dict__:
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 unhonoured = [option for option in UNHONOURED if getattr(impl, option)]
                 if unhonoured and impl.plugin_name != CORE:
-                    raise ConfigError(self.field(impl.plugin_name), f"its {hook_name} is marked "
+                    raise ConfigError(self.field(self.belongs_to[impl.plugin_name]), f"its {hook_name} is marked "
                                       f"{', '.join(f'{o}=True' for o in unhonoured)}, which titan-core cannot honour: "
                                       f"the core calls each plugin's {hook_name} on its own, in plan order",
                                       "remove it from @hookimpl(...) (Declaration.stage orders model transforms)")
-        for hook_name in BUILDER_HOOKS:
+        for hook_name in builder_hooks(self.pm):
             owners = [name for name in self.objects if name != CORE and self.implements(name, hook_name)]
             if len(owners) > 1:
                 raise ConfigError(f"plugins=[{','.join(owners)}]",
@@ -161,7 +193,8 @@ class Registry:
                                   "enable only one of them")
 
     def implements(self, plugin: str, hook_name: str) -> bool:
-        return any(impl.plugin_name == plugin for impl in getattr(self.pm.hook, hook_name).get_hookimpls())
+        return any(self.belongs_to[impl.plugin_name] == plugin
+                   for impl in getattr(self.pm.hook, hook_name).get_hookimpls())
 
     def call(self, plugin: str, hook_name: str, **kwargs):
         """``plugin``'s implementation of the hook, through pluggy, or None when it has none."""
@@ -169,7 +202,8 @@ class Registry:
             return None
         key = (hook_name, plugin)
         if key not in self._callers:
-            others = [obj for name, obj in self.objects.items() if name != plugin and obj is not self.objects[plugin]]
+            others = [obj for name, obj in self.registered.items()
+                      if self.belongs_to[name] != plugin and obj is not self.objects[plugin]]
             self._callers[key] = self.pm.subset_hook_caller(hook_name, remove_plugins=others)
         answer = self._callers[key](**kwargs)
         return answer if self._callers[key].spec.opts.get("firstresult") else next(iter(answer), None)
@@ -192,6 +226,12 @@ class Registry:
         """The plugin objects that keep state across a restart, by name."""
         return {name: plugin for name, plugin in self.objects.items()
                 if name != CORE and isinstance(plugin, Stateful)}
+
+
+def builder_hooks(pm: pluggy.PluginManager) -> list[str]:
+    """The hooks that need one answer: those specified ``firstresult``."""
+    return [name for name, caller in vars(pm.hook).items()
+            if caller.spec is not None and caller.spec.opts.get("firstresult")]
 
 
 def model_description(config, vocab_size: int) -> ModelDescription:

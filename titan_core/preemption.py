@@ -27,7 +27,7 @@ class StopSignals:
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.reduced = torch.zeros(1, dtype=torch.int32)
         self.pending: dist.Work | None = None
-        self.previous: dict[int, object] = {}
+        self.previous: dict[int, signal._HANDLER] = {}  # _HANDLER: typeshed's type of what signal.signal returns
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # Python handles signals there only

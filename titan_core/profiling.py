@@ -58,14 +58,16 @@ class StepProfiler:
     """Profiles the steps ``window[0]`` to ``window[1]``; does nothing when the window is empty."""
 
     def __init__(self, window: list[int], run_dir: Path, rank: int, device: torch.device):
+        self.first: int | None
+        self.last: int | None
         self.first, self.last = window if window else (None, None)
         self.folder = run_dir / "profile"
         self.rank, self.device = rank, device
-        self.profiler = None
+        self.profiler: torch.profiler.profile | None = None
 
     def step_begins(self, step: int) -> None:
         """Start profiling at the window's first step (or its first step after a resume inside it)."""
-        if self.profiler is not None or self.first is None or not self.first <= step <= self.last:
+        if self.profiler is not None or self.first is None or self.last is None or not self.first <= step <= self.last:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -76,10 +78,10 @@ class StepProfiler:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         # A schedule (recording throughout) makes the profiler mark each step as a range ProfilerStep#<n>,
         # numbered from the training step it starts at.
-        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True,
-                                               schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
-        self.profiler.step_num = step
-        self.profiler.__enter__()
+        self.profiler = profiler = torch.profiler.profile(activities=activities, record_shapes=True,
+                                                          schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
+        profiler.step_num = step
+        profiler.__enter__()
 
     def step_ended(self, step: int, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
         if self.profiler is None:

@@ -163,7 +163,9 @@ def write_hf_folder(model: torch.nn.Module, folder: Path) -> Path:
                       else torch.randn(param.shape, generator=generator) * 0.1)
             param.copy_(values)
     model.save_pretrained(folder)
-    shutil.copyfile(tokenizer_file(OmegaConf.create({"path": "builtin"})), folder / "tokenizer.json")
+    shipped = tokenizer_file(OmegaConf.create({"path": "builtin"}))
+    assert shipped is not None  # "builtin" names a file; only "bytes" has none
+    shutil.copyfile(shipped, folder / "tokenizer.json")
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
     return folder
@@ -187,10 +189,11 @@ def error_line(result: JobResult) -> str:
 
 def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distribution: str = "test-plugins",
                     models: dict[str, tuple[str, dict[str, str]]] | None = None,
-                    plugin_objects: dict[str, str] | None = None) -> dict:
+                    plugin_objects: dict[str, str] | None = None, costs: dict[str, str] | None = None) -> dict:
     """Install throwaway plugins for a test: ``{name: (module_source, options_yaml)}`` as one distribution,
     and model plugins ``{name: (module_source, {preset: preset_yaml})}`` beside them. ``plugin_objects`` names,
-    for a plugin or model, the class (or factory) in its module that the entry point names instead of the module.
+    for a plugin or model, the class (or factory) in its module that the entry point names instead of the module;
+    ``costs`` gives a plugin's or model's pricing module (``{name: module_source}``, group ``titan_core.costs``).
 
     Writes dist-info metadata with the entry points, one module per plugin and its option or preset files
     into the folder ``site``; returns the environment that puts them on the path of a ``run_job``.
@@ -199,7 +202,8 @@ def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distributio
     dist = site / f"{package}-0.0.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.0.0\n")
-    points = {"titan_core.plugins": [], "titan_core.models": [], "titan_core.conf": []}
+    points: dict[str, list[str]] = {"titan_core.plugins": [], "titan_core.models": [], "titan_core.conf": [],
+                                    "titan_core.costs": []}
     configs = {name: (source, "plugins", {name: f"{name}:\n  _plugin_: {name}\n{textwrap.indent(options, '  ')}"})
                for name, (source, options) in plugins.items()}
     configs |= {name: (source, "model", presets) for name, (source, presets) in (models or {}).items()}
@@ -211,9 +215,12 @@ def install_plugins(site: Path, plugins: dict[str, tuple[str, str]], distributio
         (conf.parent / "__init__.py").write_text("")
         for file, body in files.items():
             (conf / f"{file}.yaml").write_text(textwrap.dedent(body))
-        target = f"{module}:{plugin_objects[name]}" if name in (plugin_objects or {}) else module
+        target = f"{module}:{plugin_objects[name]}" if plugin_objects and name in plugin_objects else module
         points["titan_core.plugins" if group == "plugins" else "titan_core.models"].append(f"{name} = {target}")
         points["titan_core.conf"].append(f"{name} = {module}_conf")
+    for name, source in (costs or {}).items():
+        (site / f"{package}_{name}_costs.py").write_text(textwrap.dedent(source))
+        points["titan_core.costs"].append(f"{name} = {package}_{name}_costs")
     (dist / "entry_points.txt").write_text("".join(f"[{group}]\n" + "".join(f"{line}\n" for line in lines) + "\n"
                                                    for group, lines in points.items() if lines))
     return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
@@ -242,7 +249,7 @@ def compare(result: JobResult, reference: JobResult) -> ParityReport:
     if weights.keys() != expected.keys():
         raise AssertionError(f"parameter names differ: {sorted(weights.keys() ^ expected.keys())[:5]}")
     diffs = {name: (weights[name].float() - expected[name].float()).abs().max().item() for name in expected}
-    worst = max(diffs, key=diffs.get)
+    worst = max(diffs, key=lambda name: diffs[name])
     return ParityReport(result.losses, reference.losses, loss_diff, diffs[worst], worst, result.stderr)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from titan_core import objective
+import titan_core.objective as objective
 from titan_core.attention import document_ids
 from titan_core.data import Prefetcher
 from titan_core.errors import ConfigError
@@ -62,10 +62,10 @@ def build_training_step(hooks: Hooks, mesh: ParallelMesh, config, model_parts: l
                         device: torch.device, bos_id: int) -> TrainingStep:
     """The step a worker trains with (also what the planner's tests track): the loss as every plugin wraps it,
     normalised over the step's trained tokens, the plugins' schedule, optimizer and learning-rate schedule."""
-    loss_fn = cross_entropy_loss
+    wrapped = cross_entropy_loss
     for name in hooks.order:
-        loss_fn = hooks.call(name, "wrap_loss", loss_fn=loss_fn, model_parts=model_parts, config=config) or loss_fn
-    loss_fn = objective.TokenNormalisation(loss_fn, hooks.plan, device)
+        wrapped = hooks.call(name, "wrap_loss", loss_fn=wrapped, model_parts=model_parts, config=config) or wrapped
+    loss_fn = objective.TokenNormalisation(wrapped, hooks.plan, device)
     schedule = hooks.first("build_schedule", model_parts=model_parts, mesh=mesh, config=config, loss_fn=loss_fn)
     optimizer = hooks.first("build_optimizer", model_parts=model_parts, config=config)
     lr_scheduler = hooks.first("build_lr_scheduler", optimizer=optimizer, config=config)

@@ -85,6 +85,7 @@ def validation_batches(config, tokenizer, dp_rank: int, dp_size: int) -> list[tu
         return []
     name, every = ("data", validation.holdout_every) if holds_out(config) else ("validation", 0)
     section = config[name]
+    loader: TokenLoader | PackedLoader
     if section.source == "tokens":
         loader = token_loader(config, section, f"{name}.path", dp_rank, dp_size, holdout_every=every, held=True)
     else:

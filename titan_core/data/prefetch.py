@@ -33,7 +33,8 @@ class Prefetcher:
             return batch
         if self._thread is None:
             self._queue, self._stop = queue.Queue(self.depth), threading.Event()
-            self._thread = threading.Thread(target=self._produce, name="titan-core-prefetch", daemon=True)
+            self._thread = threading.Thread(target=self._produce, args=(self._queue,), name="titan-core-prefetch",
+                                            daemon=True)
             self._thread.start()
         item = self._queue.get()
         if isinstance(item, BaseException):
@@ -49,17 +50,17 @@ class Prefetcher:
         metrics = getattr(self.loader, "metrics", None)
         return copy.deepcopy(self.loader.state_dict()), (metrics() if metrics else {})
 
-    def _produce(self) -> None:
+    def _produce(self, batches: queue.Queue) -> None:
         try:
             while not self._stop.is_set():
-                self._put((self._make(), self._snapshot()))
+                self._put(batches, (self._make(), self._snapshot()))
         except BaseException as error:  # noqa: BLE001 - the step raises it, where the user sees it
-            self._put(error)
+            self._put(batches, error)
 
-    def _put(self, item) -> None:
+    def _put(self, batches: queue.Queue, item) -> None:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.1)
+                batches.put(item, timeout=0.1)
                 return
             except queue.Full:
                 continue

@@ -117,7 +117,7 @@ class TokenShards:
         manifest = read_manifest(self.folder, field)
         self.dtype = np.dtype(manifest["dtype"])
         self.vocab_size = manifest["tokenizer"]["vocab_size"]
-        self.block = manifest.get("checksum_block")  # None: prepared before checksums were recorded
+        self.block: int | None = manifest.get("checksum_block")  # None: prepared before checksums were recorded
         self.counts = [shard["tokens"] for shard in manifest["shards"]]
         self.starts = np.cumsum([0, *self.counts]).tolist()
         self.tokens = self.starts[-1]
@@ -141,7 +141,7 @@ class TokenShards:
         """Tokens ``offset .. offset + count`` of ``shard``, their blocks' checksums and their ids checked."""
         raw, size = self._map(shard), self.dtype.itemsize
         if self.block:
-            self._verify(shard, raw, offset * size, (offset + count) * size)
+            self._verify(shard, raw, self.block, offset * size, (offset + count) * size)
         tokens = raw[offset * size:(offset + count) * size].view(self.dtype)
         outside = np.flatnonzero(tokens >= self.vocab_size)
         if outside.size:
@@ -150,19 +150,20 @@ class TokenShards:
                               f"prepare {self.folder} again ({PREPARE}), or set data.damaged=skip")
         return tokens
 
-    def _verify(self, shard: int, raw: np.ndarray, first: int, end: int) -> None:
+    def _verify(self, shard: int, raw: np.ndarray, block_size: int, first: int, end: int) -> None:
         if shard not in self._checksums:
             self._checksums[shard] = np.load(self.folder / checksum_file(shard))
             self._verified[shard] = np.zeros(len(self._checksums[shard]), dtype=np.int8)
         checked = self._verified[shard]
-        for block in range(first // self.block, (end - 1) // self.block + 1):
-            data = raw[block * self.block:(block + 1) * self.block]
+        for block in range(first // block_size, (end - 1) // block_size + 1):
+            data = raw[block * block_size:(block + 1) * block_size]
             if not checked[block]:
-                checked[block] = 1 if zlib.crc32(data) == self._checksums[shard][block] else -1
+                crc = zlib.crc32(data)  # type: ignore[arg-type]  # numpy types ndarray a Buffer from Python 3.12 only
+                checked[block] = 1 if crc == self._checksums[shard][block] else -1
                 self.verified_bytes += len(data)
             if checked[block] < 0:
-                raise DamagedData(self.field, f"{self._file(shard)}: bytes {block * self.block}-"
-                                  f"{block * self.block + len(data) - 1} differ from what {PREPARE} wrote (checksum)",
+                raise DamagedData(self.field, f"{self._file(shard)}: bytes {block * block_size}-"
+                                  f"{block * block_size + len(data) - 1} differ from what {PREPARE} wrote (checksum)",
                                   f"prepare {self.folder} again, or set data.damaged=skip to train without them")
 
     def _file(self, shard: int) -> Path:
@@ -265,7 +266,8 @@ class TokenLoader:
         self.rows = range(dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size)
         self.sample = 0
         self.epochs = [0] * len(sources)
-        self.skip_damaged, self.replaced, self.damage_seen = skip_damaged, 0, set()
+        self.skip_damaged, self.replaced = skip_damaged, 0
+        self.damage_seen: set[str] = set()
 
     def __iter__(self):
         return self

@@ -15,7 +15,7 @@ from pathlib import Path
 import pluggy
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from titan_core import hookspecs
+import titan_core.hookspecs as hookspecs
 from titan_core.capabilities import CHECKPOINTING
 from titan_core.errors import ConfigError
 from titan_core.job.schema import core_defaults

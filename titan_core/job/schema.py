@@ -15,6 +15,7 @@ import difflib
 from functools import cache
 from importlib.metadata import entry_points
 from importlib.resources import files
+from importlib.resources.abc import Traversable
 
 from omegaconf import OmegaConf
 
@@ -47,7 +48,7 @@ def conf_packages() -> list:
 def option_files(group: str) -> dict:
     """The ``<group>/<name>.yaml`` files (``plugins``, ``model``) that the core and the installed
     distributions ship, by name."""
-    found = {}
+    found: dict[str, Traversable] = {}
     for package in conf_packages():
         folder = package.joinpath(group)
         if folder.is_dir():
@@ -72,7 +73,7 @@ def default_preset() -> str:
     return next(entry["model"] for entry in core_defaults()["defaults"] if isinstance(entry, dict))
 
 
-def family_defaults(family: str) -> tuple[dict, set[str]]:
+def family_defaults(family: str | None) -> tuple[dict, set[str]]:
     """Every option of the model family's presets, each with its first non-null value among them, and the
     options some preset leaves null (null is meaningful there)."""
     merged: dict = {}

@@ -169,6 +169,7 @@ class _RankLog(logging.FileHandler):
 
     def close(self) -> None:
         if self.crash_line is not None:
+            assert self.crash_line.stdin is not None, "the process reads a pipe (stdin=PIPE)"
             self.crash_line.stdin.close()
             self.crash_line.wait()
             self.crash_line = None
@@ -186,7 +187,8 @@ def _configure_logging(run_dir: Path, rank: int, crash_line: bool) -> None:
         logger.removeHandler(handler)
         handler.close()
     fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s", "%H:%M:%S")
-    handlers = [_RankLog(rank_log(run_dir, rank), rank, crash_line)]
+    rank_file = _RankLog(rank_log(run_dir, rank), rank, crash_line)
+    handlers: list[logging.Handler] = [rank_file]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
         handlers[-1].addFilter(lambda record: not record.exc_info)  # tracebacks stay in the file
@@ -197,5 +199,7 @@ def _configure_logging(run_dir: Path, rank: int, crash_line: bool) -> None:
     # the launcher's line for the dead worker (or the crash line's process) points, rather than pages of frames on
     # the console (torch's elastic wrapper sends them to stderr). An in-process sweep's next job closes this
     # handler and enables its own.
-    crash_line = handlers[0].crash_line
-    faulthandler.enable(crash_line.stdin if crash_line else handlers[0].stream, all_threads=True)
+    crash_process = rank_file.crash_line
+    fatal = crash_process.stdin if crash_process else rank_file.stream
+    assert fatal is not None, "the crash line's pipe (stdin=PIPE) or the log file (opened at once)"
+    faulthandler.enable(fatal, all_threads=True)

@@ -36,6 +36,7 @@ Names follow transformers' MoE modules (``gate.weight`` the router, ``experts.ga
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -71,6 +72,13 @@ class MoeOptions:
     expert_activation: str = "silu"  # or "clamped_swiglu" (gpt-oss)
     swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
     swiglu_limit: float = 7.0  # clamped_swiglu: where the gate and up projections are clamped
+
+    if TYPE_CHECKING:  # fields of the model's options dataclass that derives from this one
+        @property
+        def hidden_size(self) -> int: ...
+
+        @property
+        def num_hidden_layers(self) -> int: ...
 
     def sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has experts (every block unless the model says otherwise)."""
@@ -206,6 +214,7 @@ class GroupedExperts(nn.Module):
                                           output_size=len(tokens))
         out = torch._grouped_mm(self.activate(gate_up + self.gate_up_proj_bias[experts]),
                                 self.down_proj.transpose(-2, -1), offs=ends)
+        assert self.down_proj_bias is not None, "the projections' biases exist together"
         return out + self.down_proj_bias[experts]
 
     def _padded(self, tokens: torch.Tensor, counts: torch.Tensor, most: int) -> torch.Tensor:

@@ -155,17 +155,19 @@ class IdleExperts:
 
     def update(self, counts: torch.Tensor, sparse: list[int], step: int) -> list[tuple[int, int]]:
         """Record the counts since the last logged step; returns the (block, expert) pairs newly reported."""
-        if self.idle is None:
-            self.size(*counts.shape, counts.device)
-        self.idle = torch.where(counts == 0, self.idle + (step - self.last_step), torch.zeros_like(self.idle))
+        if self.idle is None or self.warned is None:
+            self.size(counts.shape[0], counts.shape[1], counts.device)
+        idle, warned = self.idle, self.warned
+        assert idle is not None and warned is not None  # sized just above
+        self.idle = idle = torch.where(counts == 0, idle + (step - self.last_step), torch.zeros_like(idle))
         self.last_step = step
-        new = (self.idle >= self.limit) & ~self.warned
-        self.warned |= new
+        new = (idle >= self.limit) & ~warned
+        self.warned = warned | new
         reported = [(sparse[row], expert) for row, expert in new.nonzero().tolist()]
         for block, expert in reported:
             if dist.get_rank() == 0:
                 log.warning("expert %d of block %d has received no token for %d steps: its router never chooses it",
-                            expert, block, int(self.idle[sparse.index(block), expert]))
+                            expert, block, int(idle[sparse.index(block), expert]))
         return reported
 
     def state_dict(self) -> dict:
@@ -200,16 +202,6 @@ class ExpertRouting:
     def batch_context(self, model_parts):
         """A MoE model: measures the micro-batch's expert load, for the busiest one's metric."""
         return self.micro_batch_loads.measuring(model_parts)
-
-    @hookimpl
-    def estimate_costs(self, estimate, plan) -> None:
-        """A MoE model: with router_bias_update_rate, the all-reduce of every block's expert counts over every rank
-        after each optimizer step (the load metrics' all-reduces, on logging steps only, are not counted)."""
-        args = plan.model.args
-        if args.router_bias_update_rate:
-            estimate.add_collective("all-reduce of the experts' token counts", tuple(plan.mesh_shape),
-                                    4 * args.num_hidden_layers * args.num_experts, overlapped=False,
-                                    plugin=plan.model.family, calls=1)
 
     @hookimpl
     def after_optimizer_step(self, model_parts, plan) -> None:

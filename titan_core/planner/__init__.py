@@ -1,8 +1,19 @@
 """What a plan costs before launch: memory per rank by category, FLOPs, collectives and step time.
 
+A room beside the core: training never imports it. This package's root is its front door for a plugin's pricing
+module (``titan_<name>/costs.py``, registered under ``titan_core.costs``): the planner's hooks
+(:mod:`titan_core.planner.hookspecs`), the ledger they change (:class:`Estimate`), the accelerator profile
+(:class:`Hardware`) and :func:`evaluated`.
+
 ``facts.py`` measures the model (parameters, kept activations) on the meta device (``cuda_autocast.py``: under
-the core's autocast, as a GPU's autocast would run it); ``estimate.py`` is the
-ledger the plugins change through their ``estimate_costs`` hook; ``costs.py`` runs the hooks and prints the
-sum; ``hardware.py`` holds the accelerator profiles, which the training metrics' MFU reads too; ``cli.py`` is
+the core's autocast, as a GPU's autocast would run it); ``estimate.py`` is the ledger; ``costs.py`` loads each
+plugin's pricing, runs the hooks and prints the sum; ``hardware.py`` adds to each datasheet
+(:mod:`titan_core.devices`) the shares of its peaks that training reaches; ``cli.py`` is
 ``python -m titan_core.planner``.
 """
+
+from titan_core.planner.estimate import Estimate, evaluated
+from titan_core.planner.hardware import Hardware
+from titan_core.planner.hookspecs import COSTS_GROUP
+
+__all__ = ["Estimate", "Hardware", "evaluated", "COSTS_GROUP"]

@@ -25,13 +25,21 @@ class ErrorBand:
     speed_worst: float
 
     def describe(self) -> str:
-        memory = ("memory not published" if self.memory_mean is None
-                  else f"memory {_spread(self.memory_mean, self.memory_worst)}")
-        return f"expected error (against {self.source}): {memory}; tokens/s {_spread(self.speed_mean, self.speed_worst)}"
+        memory = self._memory_spread()
+        memory = "memory not published" if memory is None else f"memory {memory}"
+        speed = _spread(self.speed_mean, self.speed_worst)
+        return f"expected error (against {self.source}): {memory}; tokens/s {speed}"
 
     def memory_note(self) -> str:
         """What follows the memory figure: its expected error, or nothing where no run published memory."""
-        return "" if self.memory_mean is None else f"  [expected error: {_spread(self.memory_mean, self.memory_worst)}]"
+        memory = self._memory_spread()
+        return "" if memory is None else f"  [expected error: {memory}]"
+
+    def _memory_spread(self) -> str | None:
+        """The memory error's spread; None where no run published memory (mean and worst are None together)."""
+        if self.memory_mean is None or self.memory_worst is None:
+            return None
+        return _spread(self.memory_mean, self.memory_worst)
 
     def speed_note(self) -> str:
         """What follows the tokens/s figure: its expected error."""
@@ -54,15 +62,14 @@ _BY_PROFILE = {
                       None, None, 0.038, -0.081),
     "mi300x": ErrorBand("4 published Llama 3 runs on MI300Xs, two setting its efficiencies, bench/planner_vs_seeds.py",
                         0.046, -0.051, 0.021, 0.033),
-    # tests/test_planner.py's 35 plans and pipeline ranks against torch's memory tracker (docs/planner.md), and
+    # tests/test_planner_memory.py's 35 plans and pipeline ranks against torch's memory tracker (docs/planner.md), and
     # bench/parallel_step_time.py's 10 plans (one to eight workers), tokens/s as this profile prints them.
     "cpu-measured": ErrorBand("35 plans tracked on this CPU and 10 plans' step times, docs/planner.md", 0.008, -0.030,
                               0.67, 1.29),
 }
+# A GPU without published runs of its own (L40S, B200, GB200, a profile from a file) has no band: the other cards'
+# errors say nothing of it (an A100 run once missed by -47% where every card's band said "worst -8%").
 _BY_DEVICE_TYPE = {
-    # Any other GPU: every published row of every card.
-    "cuda": ErrorBand("45 published Llama 3 runs on four kinds of GPU, bench/planner_vs_seeds.py", 0.051, -0.173,
-                      0.067, 0.252),
     # Any other CPU profile (one --calibrate wrote fits one process): the same tracked plans, and the tokens/s of
     # bench/parallel_step_time.py's 9 plans of several workers relative to one process.
     "cpu": ErrorBand("35 plans tracked on this CPU and 9 plans' step times relative to one process, docs/planner.md",
@@ -71,6 +78,6 @@ _BY_DEVICE_TYPE = {
 
 
 def error_band(profile: str, device_type: str) -> ErrorBand | None:
-    """The band of the estimates on the hardware profile ``profile`` (its own published runs) or, without any, on
-    devices of ``device_type``; None where nothing was measured."""
+    """The band of the estimates on the hardware profile ``profile`` (its own published runs) or, for a CPU without
+    any, on CPUs; None where nothing was measured (any GPU without runs of its own)."""
     return _BY_PROFILE.get(profile) or _BY_DEVICE_TYPE.get(device_type)

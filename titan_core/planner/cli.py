@@ -16,7 +16,7 @@ import signal
 import sys
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from titan_core.data import load_tokenizer
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
@@ -49,7 +49,8 @@ class Flags(NamedTuple):
 
 def split_flags(argv: list[str]) -> Flags:
     """The plan command's options and the remaining arguments (the overrides)."""
-    flags = {"hardware": None, "recommend": False, "calibrate": None, "expert_load": 1.0, "expert_load_peak": None}
+    flags: dict[str, Any] = {"hardware": None, "recommend": False, "calibrate": None, "expert_load": 1.0,
+                             "expert_load_peak": None}  # Flags' fields, each of its own type
     rest, args = [], iter(argv)
     examples = {"--hardware": "--hardware h100 (or another profile)", "--calibrate": "--calibrate mydevice.yaml",
                 "--expert-load": "--expert-load 1.3 (the expert_rank_load_max a run of this job logged)",

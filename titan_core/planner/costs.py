@@ -1,4 +1,4 @@
-"""Run every enabled plugin's ``estimate_costs`` on the model's estimate, and print the sum."""
+"""Load every enabled plugin's pricing, run its ``estimate_costs`` on the model's estimate, and print the sum."""
 
 from __future__ import annotations
 
@@ -9,16 +9,38 @@ from omegaconf import OmegaConf
 
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
+from titan_core.hookspecs import hookimpl
 from titan_core.job.checks import check_job
 from titan_core.job.command_line import composed
 from titan_core.mesh import device_kind
+from titan_core.moe.routing import ExpertRouting
 from titan_core.options import FLOAT_DTYPES, compute_dtype
 from titan_core.plan import Plan
 from titan_core.planner.accuracy import error_band
 from titan_core.planner.estimate import CATEGORIES, GIB, Estimate, evaluated
 from titan_core.planner.facts import model_facts, optimizer_facts
+from titan_core.planner import hookspecs
 from titan_core.planner.hardware import Hardware, by_device_name, cpu_measured
-from titan_core.plugins import Hooks, Registry, build_plan
+from titan_core.plugins import Hooks, Registry, Room, build_plan
+
+
+class ExpertRoutingCosts:
+    """The planner's pricing of a model plugin deriving :class:`titan_core.ExpertRouting` (the core's routing hooks)."""
+
+    @hookimpl
+    def estimate_costs(self, estimate, plan) -> None:
+        """A MoE model: with router_bias_update_rate, the all-reduce of every block's expert counts over every rank
+        after each optimizer step (the load metrics' all-reduces, on logging steps only, are not counted)."""
+        args = plan.model.args
+        if args.router_bias_update_rate:
+            estimate.add_collective("all-reduce of the experts' token counts", tuple(plan.mesh_shape),
+                                    4 * args.num_hidden_layers * args.num_experts, overlapped=False,
+                                    plugin=plan.model.family, calls=1)
+
+
+# Each plugin's pricing module (entry-point group titan_core.costs), and the core's for ExpertRouting's hooks.
+PRICING = Room(hookspecs, hookspecs.COSTS_GROUP,
+               lambda plugin: [ExpertRoutingCosts()] if isinstance(plugin, ExpertRouting) else [])
 
 
 def _converted(build, conversions: list, **kwargs):
@@ -38,6 +60,7 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
     :attr:`Estimate.expert_load` and :attr:`Estimate.expert_load_peak` (the plan command's ``--expert-load`` and
     ``--expert-load-peak``)."""
     traced = {} if traced is None else traced
+    registry.open_room(PRICING)
     for flag, load in (("--expert-load", expert_load), ("--expert-load-peak", expert_load_peak)):
         if load not in (1, None) and plan.model.experts is None:
             raise ConfigError(flag, f"model '{plan.model.family}' has no experts to route unevenly",
@@ -213,7 +236,8 @@ def report(result: Estimate) -> str:
                      f"at {result.link_gbps(c.dims):.0f} GB/s{' (overlapped)' if c.overlapped else ''}")
     if result.not_counted:
         lines.append(f"  not counted (no estimate_costs hook): {', '.join(result.not_counted)}")
-    lines.append(f"  {band.describe()}" if band else f"  expected error: not measured on {hardware.device_type} devices")
+    lines.append(f"  {band.describe()}" if band else f"  expected error: unknown: no measured run on {hardware.name} "
+                 "(docs/planner.md lists the cards with runs)")
     return "\n".join(lines)
 
 

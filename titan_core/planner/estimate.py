@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from titan_core.capabilities import MIXED_PRECISION
 from titan_core.mesh import cpu_threads
+from titan_core.plan import Plan
 from titan_core.planner.facts import LinearSizes, ModelFacts
 from titan_core.planner.hardware import Hardware
 
@@ -157,8 +159,8 @@ class Estimate:
     weights and adapters; :attr:`facts` are then those of the converted model).
     """
 
-    config: object
-    plan: object
+    config: DictConfig
+    plan: Plan
     hardware: Hardware
     facts_in: Callable[[torch.dtype, dict, bool], ModelFacts]
     device_type: str = "cuda"
@@ -496,7 +498,8 @@ class Estimate:
         made them); or the optimizer's step, if it holds more."""
         later = (evaluated(self.microbatches_in_flight, self), evaluated(self.weight_halves_waiting, self))
         made = evaluated(self.gradients_made, self) if self.gradients_at_peak() else 0.0
-        moments = [(*later, made, evaluated(self.backward_regathers, self))]
+        regathers = bool(evaluated(self.backward_regathers, self))
+        moments: list[tuple[float, float, float, bool]] = [(*later, made, regathers)]
         first = self.first_backward(self) if callable(self.first_backward) else self.first_backward
         if first is not None and (first[0] > later[0] or first[1] > later[1]):  # else it keeps no more, no gradient
             moments.append((*first, float(self.grad_accum > 1), True))  # the step's first backward follows a forward
@@ -633,6 +636,7 @@ class Estimate:
         """The host's time to issue the step's operators one by one (forward and backward per micro-batch, the
         optimizer's once)."""
         facts = self.facts
+        ops: float
         ops = sum(facts.block_ops[i] for i in self.blocks) + facts.outer_ops * (self.holds_inputs or self.holds_outputs)
         ops = ops * self.microbatches_per_step() + evaluated(self.optimizer_operators, self)
         return ops * self.hardware.op_overhead_us * 1e-6 * self.dispatch_cost
@@ -673,9 +677,11 @@ class Estimate:
 
     def worker_threads(self) -> float:
         """A CPU profile is measured on one thread: a worker runs on its threads, at most its share of the cores."""
+        cores = self.hardware.cores
+        assert cores, "asked of CPU profiles only, which count their cores"
         workers = min(self.plan.world_size, self.hardware.devices_per_node)
-        threads = cpu_threads(self.config.launch, self.plan.world_size) or self.hardware.cores
-        return min(threads, self.hardware.cores / workers)
+        threads = cpu_threads(self.config.launch, self.plan.world_size) or cores
+        return min(threads, cores / workers)
 
     def peak_tflops(self) -> float:
         """The dense bf16 peak of what one rank computes on: a device, or a CPU worker's threads."""

@@ -49,7 +49,7 @@ class LinearSizes:
 
     inputs: float = 0.0
     outputs: float = 0.0
-    weights: int = 0
+    weights: float = 0  # a rank's share of a split weight is fractional
 
 
 @dataclass(frozen=True)
@@ -191,8 +191,8 @@ class _Tracer(TorchDispatchMode):
         self.ops = [0] * (n_blocks + 1)  # per block, and last the operators outside the blocks
         self.kept_alive: list[torch.Tensor] = []  # so that no other storage reuses a recorded one's address
         self.saved: dict[int, tuple[int | None, int, tuple[int, ...]]] = {}  # storage -> block, bytes, shape
-        self.made = [{} for _ in range(n_blocks)]
-        self.product_flops = [{} for _ in range(n_blocks)]
+        self.made: list[dict[str, float]] = [{} for _ in range(n_blocks)]
+        self.product_flops: list[dict[str, float]] = [{} for _ in range(n_blocks)]
         self.param_results = [0.0] * n_blocks
         self.linears: list[dict[str, LinearSizes]] = [{} for _ in range(n_blocks)]
         self.matmuls = 0  # of the block being traced
@@ -224,7 +224,7 @@ class _Tracer(TorchDispatchMode):
             self.kept_alive.append(tensor)
             self.saved[storage._cdata] = (self.block, storage.nbytes(), tuple(tensor.shape))
             if self.in_experts:
-                self.expert_saved[self.block] += storage.nbytes() / self.positions
+                self.expert_saved[self._running_block()] += storage.nbytes() / self.positions
         return tensor
 
     def record(self, name: str, args, *results: torch.Tensor, reads_parameter: bool = False) -> None:
@@ -265,17 +265,23 @@ class _Tracer(TorchDispatchMode):
         self.stream_shape = tuple(args[0].shape)
         self.timeline.append(("forward", index, 0))
 
+    def _running_block(self) -> int:
+        """The block running, where only a block runs (its experts, the end of its forward)."""
+        assert self.block is not None, "no block is running"
+        return self.block
+
     def enter_experts(self, copies: int, nbytes: int) -> None:
         """The token copies entering the running block's experts: how many, and their bytes."""
-        self.expert_copies[self.block] += copies / self.positions
-        self.expert_input[self.block] += nbytes / self.positions
+        block = self._running_block()
+        self.expert_copies[block] += copies / self.positions
+        self.expert_input[block] += nbytes / self.positions
         self.in_experts = True
 
     def leave_experts(self, *_) -> None:
         self.in_experts = False
 
     def leave(self, module, args, output) -> None:
-        self.timeline.append(("left", self.block, 0))
+        self.timeline.append(("left", self._running_block(), 0))
         self.block = self.counting = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -338,6 +344,7 @@ class _Tracer(TorchDispatchMode):
 
     def forward_peaks(self, n_blocks: int) -> list[float]:
         """Per block, the most its forward held at once beyond what autograd keeps of it once it has run."""
+        made: set[int]
         peaks, current, made, live, most, kept = [0.0] * n_blocks, None, set(), 0, 0, 0
         for what, key, nbytes in self.timeline:
             if what == "forward":
@@ -412,10 +419,12 @@ def _evenly_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     share = -(-copies // moe.num_experts)
     token = torch.arange(copies, device=x.device) // experts.shape[1]
     routed = x[token]  # held while the experts compute, as the layer's call holds its argument
-    _Tracer.active.enter_experts(copies, _nbytes(routed))
+    tracer = _Tracer.active
+    assert tracer is not None, "the MoE runs evenly routed only while a tracer traces it"
+    tracer.enter_experts(copies, _nbytes(routed))
     padded = routed[torch.arange(moe.num_experts * share, device=x.device) % copies]
     out = moe.experts.batched(padded.unflatten(0, (moe.num_experts, share))).flatten(0, 1)[:copies]
-    _Tracer.active.leave_experts()
+    tracer.leave_experts()
     out = torch.zeros_like(x).index_add(0, token, out * weights.flatten()[:, None])
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(x)

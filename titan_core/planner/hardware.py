@@ -1,17 +1,13 @@
-"""Accelerator profiles: datasheet figures of the devices titan-core knows, found by name or by the exact device
-name, and a profile of this machine's CPU measured on the spot.
-
-The training metrics' MFU and the planner read the same profiles. A figure is the vendor's dense (no
-sparsity) peak per device. A device that matches no profile is unknown: the caller asks for
-``metrics.peak_tflops`` rather than taking a neighbour's figure (an H100 PCIe peaks at three quarters of an
-H100 SXM, and a substring match on "H100" used to give it the SXM's figure).
+"""Accelerator profiles: each device's datasheet (:mod:`titan_core.devices`) with the shares of its peaks that
+training reaches, found by name or by the exact device name, and a profile of this machine's CPU measured on the spot.
 
 ``achievable`` and ``fp8_achievable`` are the figures that are not a datasheet's: the share of the dense peak
 (bf16, float8) that a training step's matmuls reach end to end on that card, kernels' efficiency and everything
 the step does between them. Each is set from one published run on the card, named beside it, and every other
 run of that card in ``bench/planner_vs_seeds.py`` is a prediction (docs/planner.md prints the errors). A card
-without a published run takes the H100's shares (the L40S: unchecked), and so do the H100 profiles, all set from
-the seeds' power-limited H100s: a full-power H100 SXM is likely planned slow.
+without a published run takes the H100's shares (the L40S, the B200 and the GB200: unchecked, and the plan says
+their expected error is unknown), and so do the H100 profiles, all set from the seeds' power-limited H100s: a
+full-power H100 SXM is likely planned slow.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from titan_core.devices import DATASHEETS, Datasheet
 from titan_core.errors import ConfigError
 from titan_core.planner.facts import timed_step
 
@@ -40,7 +37,6 @@ H100_FP8_ACHIEVABLE = 0.40
 # Of a device's memory, what a plan may fill: the rest goes to the CUDA context, the kernels' workspaces and
 # the caching allocator's fragmentation, none of which the planner counts.
 USABLE_SHARE = 0.9
-GH100 = "gh100"  # the H100s' and the H200's die
 # H200: TorchTitan's Llama 3 8B FSDP + compile + float8 job on 32 H200s (June 2025), float8; bf16 by the same
 # factor, 1.2 times the H100's shares: those came from the seeds' H100s, which ran at a 500 W limit (TorchTitan:
 # their peak lies between the SXM's and the NVL's) and with December 2024's software. Set while tensorwise was priced
@@ -50,18 +46,9 @@ H200_FP8_ACHIEVABLE = 0.48
 
 
 @dataclass(frozen=True)
-class Hardware:
-    """One accelerator model. Bandwidths are per device and per direction, in GB/s."""
+class Hardware(Datasheet):
+    """One accelerator model: its datasheet, and what the planner adds to it."""
 
-    name: str
-    device_names: str  # a regular expression that must match the whole of torch.cuda.get_device_name()
-    bf16_tflops: float
-    fp8_tflops: float | None = None  # None: no float8 matmuls
-    memory_gib: float = 80.0
-    memory_gbps: float = 3350.0  # device memory bandwidth, for the step's elementwise work
-    intra_node_gbps: float = 450.0  # NVLink-class links between the devices of one node
-    inter_node_gbps: float = 50.0  # the network between nodes (400 Gb/s per device)
-    devices_per_node: int = 8
     achievable: float = ACHIEVABLE
     fp8_achievable: float | None = None  # the share of the float8 peak float8 matmuls reach (None: achievable)
     # Fixed costs the bandwidths miss: one collective call's latency (NCCL's small-message figure within an
@@ -70,7 +57,11 @@ class Hardware:
     op_overhead_us: float = 10.0
     device_type: str = "cuda"  # what torch calls it: the dtypes plugins choose follow it (bf16 on GPUs)
     cores: int | None = None  # CPU profiles, measured on one thread: the cores a node's workers share
-    chip: str = ""  # the die, for measurements made on another card with it: plugins' tables are keyed by it
+
+    @property
+    def blackwell(self) -> bool:
+        """An NVIDIA card of compute capability 10 or later, whose tensor cores take MXFP8's block scales."""
+        return self.compute_capability is not None and self.compute_capability >= (10, 0)
 
     @property
     def usable_gib(self) -> float:
@@ -87,26 +78,22 @@ class Hardware:
         return self.bf16_tflops * self.achievable
 
 
-PROFILES = (
-    Hardware("h100_sxm", r"NVIDIA H100 80GB HBM3|NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 79.6,
-             fp8_achievable=H100_FP8_ACHIEVABLE, chip=GH100),
-    # The H100 SXM with 96 GB of HBM2e (2.4 TB/s) that TorchTitan's published Llama 3.1 tables ran on.
-    Hardware("h100_sxm_96gb", r"NVIDIA H100 SXM5 96GB|NVIDIA H100 96GB HBM2e", 989.4, 1978.9, 94.5, 2400.0,
-             fp8_achievable=H100_FP8_ACHIEVABLE, chip=GH100),
-    Hardware("h100_pcie", r"NVIDIA H100 PCIe", 756.0, 1513.0, 79.6, 2000.0, 64.0, fp8_achievable=H100_FP8_ACHIEVABLE,
-             chip=GH100),
-    Hardware("h100_nvl", r"NVIDIA H100 NVL", 835.5, 1670.9, 93.0, 3900.0, 300.0, fp8_achievable=H100_FP8_ACHIEVABLE,
-             chip=GH100),
-    Hardware("h200", r"NVIDIA H200", 989.4, 1978.9, 139.8, 4800.0, achievable=H200_ACHIEVABLE,
-             fp8_achievable=H200_FP8_ACHIEVABLE, chip=GH100),
+# The shares set from published runs, by datasheet (the rest take the H100's: ACHIEVABLE, H100_FP8_ACHIEVABLE).
+SHARES = {
+    "h200": {"achievable": H200_ACHIEVABLE, "fp8_achievable": H200_FP8_ACHIEVABLE},
     # TorchTitan's Llama 3 8B FSDP job on 64 A100s, selective op checkpointing (docs/performance.md, April 2024).
-    Hardware("a100", r"NVIDIA A100-SXM4-(40|80)GB|NVIDIA A100-PCIE-40GB|NVIDIA A100 80GB PCIe", 312.0, None, 79.2,
-             2039.0, 300.0, 25.0, achievable=0.64),
-    Hardware("l40s", r"NVIDIA L40S", 362.1, 733.0, 44.4, 864.0, 32.0, 25.0, fp8_achievable=H100_FP8_ACHIEVABLE),
+    "a100": {"achievable": 0.64},
     # torchao's Llama 3 8B FSDP + compile runs on 8 MI300X, bf16 and float8 tensorwise (torchao/float8/README.md).
-    Hardware("mi300x", r"AMD Instinct MI300X", 1307.4, 2614.9, 191.5, 5300.0, 448.0, achievable=0.27,
-             fp8_achievable=0.17),
-)
+    "mi300x": {"achievable": 0.27, "fp8_achievable": 0.17},
+}
+
+
+def _profile(sheet: Datasheet) -> Hardware:
+    shares = SHARES.get(sheet.name, {"fp8_achievable": H100_FP8_ACHIEVABLE if sheet.fp8_tflops else None})
+    return Hardware(**dataclasses.asdict(sheet), **shares)
+
+
+PROFILES = tuple(_profile(sheet) for sheet in DATASHEETS)
 ALIASES = {"h100": "h100_sxm"}
 CPU_MEASURED = "cpu-measured"
 
@@ -139,6 +126,8 @@ def hardware_profile(name: str) -> Hardware:
                               "write key: value lines (see docs/planner.md)")
         fields.setdefault("name", path.stem)
         fields.setdefault("device_names", "")
+        if isinstance(fields.get("compute_capability"), list):  # YAML has no tuples
+            fields["compute_capability"] = tuple(fields["compute_capability"])
         numbers = {f.name for f in dataclasses.fields(Hardware) if f.type.split(" |")[0] in ("float", "int")}
         for key, value in fields.items():
             number = isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
 from titan_core.job.checks import check_job
-from titan_core.planner.costs import estimate, on_hardware
+from titan_core.planner.costs import PRICING, estimate, on_hardware
 from titan_core.planner.estimate import GIB
 from titan_core.planner.hardware import Hardware
 from titan_core.plugins import Registry, build_plan, enabled_plugin_names
@@ -30,9 +30,9 @@ class Candidate:
 
 def candidate_overrides(choice: dict[str, dict | None]) -> tuple[str, ...]:
     """``+plugins=[...]`` and the options of a choice ``{plugin: options, or None when left out}``."""
-    kept = [name for name, options in choice.items() if options is not None]
+    kept = {name: options for name, options in choice.items() if options is not None}
     return (f"+plugins=[{','.join(kept)}]",
-            *(f"plugins.{name}.{key}={_value(value)}" for name in kept for key, value in choice[name].items()))
+            *(f"plugins.{name}.{key}={_value(value)}" for name, options in kept.items() for key, value in options.items()))
 
 
 def _value(value) -> str:
@@ -53,11 +53,12 @@ def recommend(config, hardware: Hardware, vocab_size: int, expert_load: float = 
                           "enables none", "list the candidates, e.g. +plugins=[fsdp,tp,pp,ac,compile,float8]")
     config = on_hardware(config, hardware)
     registry = Registry(config)
+    registry.open_room(PRICING)
     model = registry.describe_model(config, vocab_size)
     alternatives = {name: registry.call(name, "plan_options", config=config, plugin_config=config.plugins[name],
                                         model=model, world_size=world, hardware=hardware) or [{}] for name in names}
     combinations = [dict(zip(alternatives, values)) for values in itertools.product(*alternatives.values())]
-    traced = {}  # the model's facts, measured once for every candidate
+    traced: dict = {}  # the model's facts, measured once for every candidate
     estimated = (_estimated(config, choice, registry, hardware, vocab_size, traced, expert_load, expert_load_peak)
                  for choice in combinations)
     fitting = [c for c in estimated if c is not None and c.memory_gib <= hardware.usable_gib]

@@ -43,7 +43,7 @@ class Run:
         mfus = [r["mfu"] for r in self.records[1:] if "mfu" in r]
         validation = [r["validation_loss"] for r in self.records if "validation_loss" in r]
         last = max(self.losses) if self.losses else None
-        return {"run": self.path, "steps": last, "final_loss": self.losses.get(last),
+        return {"run": self.path, "steps": last, "final_loss": None if last is None else self.losses[last],
                 "min_loss": min(self.losses.values()) if self.losses else None,
                 "validation_loss": validation[-1] if validation else None,
                 "tokens_per_s_per_device": statistics.median(speeds) if speeds else None,

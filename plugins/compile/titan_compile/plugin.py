@@ -95,18 +95,6 @@ def tp_regions(block: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     return regions
 
 
-# Of the elementwise traffic an eager step moves through device memory, what inductor's fusion leaves: the
-# fused kernels read each input and write each output once instead of once per op (an assumption the
-# planner's comparison with published runs measures, docs/planner.md).
-FUSED_TRAFFIC = 0.5
-
-
-def estimate_fusion(estimate, plugin_config) -> None:
-    if plugin_config.backend == "inductor":
-        estimate.fusion *= FUSED_TRAFFIC
-        estimate.fused_loss = estimate.fused_loss or bool(plugin_config.compile_loss)
-
-
 class CompilePlugin:
     """The compile plugin of one run (the entry point names the class): dynamo's caches and counters are the
     process's, so the run starts them afresh and counts from where they stood, and a sweep's next job in the
@@ -144,14 +132,3 @@ class CompilePlugin:
     def wrap_loss(self, loss_fn, plugin_config):
         """compile: with compile_loss, the compiled loss function."""
         return compiled_loss(loss_fn, plugin_config)
-
-    @hookimpl
-    def estimate_costs(self, estimate, plugin_config):
-        """compile: inductor fuses the elementwise ops, halving their traffic through device memory; a loss it
-        compiles keeps no float32 copy of the logits."""
-        estimate_fusion(estimate, plugin_config)
-
-    @hookimpl
-    def plan_options(self):
-        """compile: off or on (inductor)."""
-        return [None, {}]

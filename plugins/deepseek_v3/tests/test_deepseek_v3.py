@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf, load_hf_slices
+from titan_core import ConfigError
 from titan_core.testing import LOSS_TOL, PARAM_TOL, config_error, model_conformance
 from titan_deepseek_v3.model import DeepseekV3, rope_table
-from titan_deepseek_v3.plugin import deepseek_v3_args, describe
+from titan_deepseek_v3.plugin import deepseek_v3_args, describe, options_from_hf
 
 CONF = "titan_deepseek_v3/conf/model"
 TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -125,6 +126,31 @@ def test_a_transformers_folder_imports_with_its_logits_and_the_export_reads_back
     again = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     with torch.no_grad():
         assert (again(TOKENS).logits - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("yarn", [{}, {"mscale": 0.707}, {"mscale": 1.0, "mscale_all_dim": 1.0},
+                                  {"beta_fast": 0, "beta_slow": None}],
+                         ids=["no-mscale", "mscale-alone", "both", "betas-zero"])
+def test_yarns_optional_keys_default_as_transformers_reads_them(tmp_path, yarn):
+    """A config.json whose YaRN leaves out mscale or mscale_all_dim (or zeroes the betas) is read as transformers reads
+    it: without mscale_all_dim, the rotation's magnitude is the plain correction and the softmax scale has none (the
+    options once defaulted both to 1, 2.9e-3 off the logits, accepted)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16, **yarn}
+    hf = transformers_model(rope_parameters=rope)
+    hf.save_pretrained(tmp_path / "hf")
+    options, _ = import_hf(tmp_path / "hf", describe(args()).hf)
+    ours = DeepseekV3(deepseek_v3_args(options, vocab_size=300, seq_len=32))
+    load_hf_slices([ours], tmp_path / "hf", describe(ours.args).hf)
+    with torch.no_grad():
+        expected = hf(TOKENS).logits
+        assert (ours(TOKENS) - expected).abs().max().item() <= 1e-5
+
+
+def test_yarn_keys_titan_core_does_not_compute_are_refused():
+    for rope, key in (({"attention_factor": 1.2}, "attention_factor=1.2"), ({"truncate": False}, "truncate=False"),
+                      ({"mscale_all_dim": 1.0}, "mscale_all_dim=1.0 without mscale")):
+        with pytest.raises(ConfigError, match=f"config.json's YaRN sets {key}"):
+            options_from_hf(hf_config(rope_parameters={**hf_config()["rope_parameters"], "mscale": None, **rope}))
 
 
 def test_yarn_changes_the_table_where_it_should():

@@ -90,8 +90,26 @@ def options_from_hf(config: dict) -> dict:
     options |= {"name": FAMILY, "rope_theta": rope["rope_theta"], "score_function": "sigmoid",
                 "norm_topk_prob": config.get("norm_topk_prob", True)}
     if rope_type == "yarn":
-        options |= {"rope_scaling_factor": rope["factor"], **{name: rope[name] for name in YARN[1:] if name in rope}}
+        options |= {"rope_scaling_factor": rope["factor"], **yarn_options(rope)}
     return options
+
+
+def yarn_options(rope: dict) -> dict:
+    """YaRN's options as transformers reads a config's: beta_fast and beta_slow at 32 and 1 when absent or 0; the
+    rotation's magnitude mscale's correction over mscale_all_dim's when both are set, else the plain one (mscale 1);
+    the softmax scale carrying mscale_all_dim's correction only when it is set (0 here: none)."""
+    field = "model.path"
+    if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        key = "attention_factor" if rope.get("attention_factor") is not None else "truncate"
+        raise ConfigError(field, f"config.json's YaRN sets {key}={rope[key]}, which titan-core's DeepSeek-V3 does not "
+                          "compute", f"remove {key} from rope_parameters if the model was trained without it")
+    mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+    if all_dims and not mscale:
+        raise ConfigError(field, f"config.json's YaRN sets mscale_all_dim={all_dims} without mscale, a magnitude "
+                          "titan-core's DeepSeek-V3 does not compute", "set both, as DeepSeek-V3's release does")
+    return {"original_max_position_embeddings": rope["original_max_position_embeddings"],
+            "beta_fast": rope.get("beta_fast") or 32.0, "beta_slow": rope.get("beta_slow") or 1.0,
+            "mscale": mscale if all_dims else 1.0, "mscale_all_dim": all_dims or 0.0}
 
 
 def to_hf(name: str) -> str:

@@ -2,6 +2,8 @@
 all-gather with the scale precompute, MXFP8 emulated, and what is refused before launch."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
+from titan_core import ConfigError
 from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
@@ -129,6 +132,56 @@ def test_refused_before_launch(tmp_path, overrides, message):
     result = run_job([*TINY, "+plugins=[float8]", *overrides], tmp_path / "run", expect_success=False)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+MXFP8_ON_HOPPER = ("plugins.float8.recipe: mxfp8_rceil needs an NVIDIA Blackwell card (compute capability 10.0 or "
+                   "later) for MXFP8's block-scaled matmuls, and {} is not one; fix: plan for b200 or gb200{}")
+
+
+@pytest.mark.parametrize("hardware, recipe, refusal", [
+    ("h100", "mxfp8_rceil", MXFP8_ON_HOPPER.format("h100_sxm", ", or set plugins.float8.recipe=tensorwise")),
+    ("a100", "mxfp8_rceil", MXFP8_ON_HOPPER.format("a100", "")),
+    ("b200", "mxfp8_emulated_rceil", "plugins.float8.recipe: mxfp8_emulated_rceil emulates MXFP8 in high precision "
+     "(a recipe for CPU tests), which the planner does not price on b200; fix: plan mxfp8_rceil on b200 or gb200, or "
+     "tensorwise"),
+    ("b200", "mxfp8_rceil", None),
+], ids=["h100", "a100", "emulated", "b200"])
+def test_the_planner_prices_mxfp8_on_blackwell_only(hardware, recipe, refusal):
+    """MXFP8's block-scaled matmuls are Blackwell's: a plan for an earlier card is refused in one line, naming the
+    option, the card and the fix (for an A100, which lacks float8's matmuls too, no float8 recipe); the emulated
+    recipe, a CPU test's, is priced on no GPU."""
+    planned = subprocess.run([sys.executable, "-m", "titan_core.planner", "--hardware", hardware, "model=debug",
+                              "training.seq_len=128", "training.global_batch_size=2", "launch.world_size=1",
+                              "+plugins=[float8]", f"plugins.float8.recipe={recipe}"],
+                             capture_output=True, text=True, timeout=300)
+    if refusal is None:
+        assert planned.returncode == 0, planned.stderr
+        assert "casts to float8 (mxfp8_rceil)" in planned.stdout
+    else:
+        assert planned.returncode == 2
+        assert planned.stderr.strip().splitlines() == [f"titan-core: error: {refusal}"]
+
+
+@pytest.mark.parametrize("capability, recipe, refusal", [
+    ((9, 0), "mxfp8_rceil", "this machine's has 9.0; fix: run it on a B200 or GB200, or set plugins.float8.recipe="
+                            "tensorwise"),
+    ((8, 0), "mxfp8_rceil_wgrad_with_hp", "this machine's has 8.0; fix: run it on a B200 or GB200"),
+    ((9, 0), "mxfp8_emulated_rceil", None),  # computed in high precision: it runs on any device
+    ((10, 0), "mxfp8_emulated_rceil", None),
+], ids=["hopper", "ampere", "emulated", "blackwell"])
+def test_mxfp8_on_a_gpu_before_blackwell_is_refused_before_launch(monkeypatch, capability, recipe, refusal):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    config = OmegaConf.create({"launch": {"device": "cuda"}})
+    options = OmegaConf.create({"recipe": recipe, "filter_fqns": [], "fsdp_float8_all_gather": False})
+    if refusal is None:
+        plugin.validate(config=config, plugin_config=options, plan=None)
+        return
+    with pytest.raises(ConfigError) as refused:
+        plugin.validate(config=config, plugin_config=options, plan=None)
+    line = str(refused.value)
+    assert line.startswith(f"plugins.float8.recipe: {recipe} needs an NVIDIA Blackwell GPU") and "\n" not in line
+    assert line.endswith(refusal)
 
 
 def test_the_measured_table_reads_back_its_shapes_and_interpolates_in_their_logarithms():

@@ -11,7 +11,6 @@ their scales are then computed for all layers at once after each optimizer step,
 
 import contextlib
 import dataclasses
-import functools
 import importlib.util
 import logging
 
@@ -19,23 +18,15 @@ import torch
 from torch import nn
 
 from titan_core import (DATA_PARALLEL_SHARDING, ConfigError, Declaration, GatherCasts, canonical_name, cast_gathers,
-                        device_kind, evaluated, hookimpl)
-from titan_float8.measured import SPEEDUPS, speedup
+                        device_kind, hookimpl)
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")
+EMULATED_MXFP8 = "mxfp8_emulated_rceil"  # MXFP8's casts computed in high precision: any device, slowly
+MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", EMULATED_MXFP8)
 log = logging.getLogger("titan_core")
 MXFP8_NEEDS_TRITON = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")  # torchao's CUDA cast kernels
-# Bytes per element read and written to cast a linear's input, its output's gradient and its weight to float8 for
-# forward and backward, as torchao's roofline counts its cast kernels (none fused with the op before them:
-# torchao/testing/training/roofline_utils.py, get_tensor_memory_traffic_ovhd_s). Rowwise scales each operand
-# along the dimension its matmul sums over, so backward transposes in bf16 and casts again.
-CAST_BYTES = {"tensorwise": (6, 6, 8), "rowwise": (8, 8, 10), "rowwise_with_gw_hp": (3, 3, 6)}
-MXFP8_CAST_BYTES = (6, 6, 6)
-# Rowwise's backward matmuls accumulate at full precision, where torchao runs the tensorwise kernel unscaled and
-# scales its output in a kernel of its own (torchao/float8/float8_ops.py, addmm_float8_unwrapped; torchao issue
-# 2184): each reads and writes its bf16 output once more, the input's gradient and the weight's.
-RESCALED_OUTPUT_BYTES = {"rowwise": 4}
+BLACKWELL = (10, 0)  # the compute capability whose tensor cores take MXFP8's block scales
+FLOAT8_CAPABILITY = (8, 9)  # the first with float8 matmuls (Ada; Hopper is 9.0)
 # Module conversions run in stage order: float8 replaces whole linears, so it goes before any conversion at a
 # later stage that hangs modules on them (LoRA's adapters, 210), which a replacement would drop.
 STAGE = 150
@@ -49,13 +40,16 @@ def declare():
 
 @hookimpl
 def validate(config, plugin_config, plan):
-    """float8: the recipe exists and runs on the job's device; float8 all-gathers need tensorwise and a sharder."""
+    """float8: the recipe exists and runs on the job's device (MXFP8's on a Blackwell GPU); float8 all-gathers need
+    tensorwise and a sharder."""
     recipe = plugin_config.recipe
     if recipe not in FLOAT8_RECIPES + MXFP8_RECIPES:
         raise ConfigError("plugins.float8.recipe", f"unknown recipe '{recipe}'",
                           f"use one of {', '.join(FLOAT8_RECIPES + MXFP8_RECIPES)}")
     # Planned for a GPU from a machine without one, the GPU's machine is checked for triton when the job runs there.
     here = torch.cuda.is_available()
+    if recipe in MXFP8_NEEDS_TRITON and device_kind(config.launch.device) == "cuda" and here:
+        check_blackwell(recipe)  # the emulated recipe computes in high precision on any device
     if recipe in MXFP8_NEEDS_TRITON and not (device_kind(config.launch.device) == "cuda"
                                              and (importlib.util.find_spec("triton") or not here)):
         raise ConfigError("plugins.float8.recipe", f"{recipe} needs a CUDA device with triton (torchao's MXFP8 "
@@ -68,6 +62,17 @@ def validate(config, plugin_config, plan):
         if not plan.provides(DATA_PARALLEL_SHARDING):
             raise ConfigError("plugins.float8.fsdp_float8_all_gather", "no enabled plugin shards parameters "
                               "over data-parallel ranks, so there is no all-gather", "enable fsdp or set it to false")
+
+
+def check_blackwell(recipe: str) -> None:
+    """Refuse an MXFP8 recipe on this machine's GPU below Blackwell (compute capability 10.0), whose tensor cores
+    lack MXFP8's block-scaled matmuls; float8's need 8.9 (Ada, Hopper)."""
+    capability = tuple(torch.cuda.get_device_capability())
+    if capability < BLACKWELL:
+        other = ", or set plugins.float8.recipe=tensorwise" if capability >= FLOAT8_CAPABILITY else ""
+        raise ConfigError("plugins.float8.recipe", f"{recipe} needs an NVIDIA Blackwell GPU (compute capability 10.0 "
+                          f"or later) for MXFP8's block-scaled matmuls, and this machine's has "
+                          f"{capability[0]}.{capability[1]}", f"run it on a B200 or GB200{other}")
 
 
 @hookimpl
@@ -192,112 +197,3 @@ def after_optimizer_step(model_parts, plugin_config):
             # The scales belong to FSDP's float8 all-gather; only FSDP2 modules carry it.
             if isinstance(part, FSDPModule):
                 precompute_float8_dynamic_scale_for_fsdp(part)
-
-
-@hookimpl
-def estimate_costs(estimate, plugin_config, plan):
-    """float8: the matmuls of the linears it converts (rowwise_with_gw_hp: two of each one's three) at the speed-up
-    measured for each linear's shape on the card's chip where a table exists (H100s' rowwise, casts included),
-    else at the float8 rate the hardware reaches plus the casts' memory traffic as the recipe's kernels move it;
-    those linears' weights in float8 in FSDP's all-gather when fsdp_float8_all_gather is on (each rank then casts
-    its shard, before the gather); under the core's autocast, no copy of the blocks' weights in the compute dtype."""
-    hardware = estimate.hardware
-    if estimate.device_type == "cuda" and not hardware.fp8_tflops:
-        raise ConfigError("plugins.float8", f"{hardware.name} has no float8 matmuls",
-                          "remove float8 from +plugins=[...], or plan for hardware that has them (h100, h200, ...)")
-    estimate.casts_block_weights = False  # its linears cast float32 weights to float8 themselves, not autocast
-    measured = SPEEDUPS.get(plugin_config.recipe, {}).get(hardware.chip)
-    converted = converted_linears(plan, plugin_config)
-    if plugin_config.recipe == "tensorwise":  # tensor parallel's gathers in float8 (GatherCasts)
-        estimate.gathered_itemsize = lambda e, index, path: 1 if converted(e, index, path) else None
-    if plugin_config.fsdp_float8_all_gather:
-        estimate.gather_bytes = functools.partial(float8_gather_bytes, converted=converted)
-    if hardware.fp8_tflops:
-        weights = sum(linear.weights for i, block in enumerate(estimate.facts.block_linears)
-                      for path, linear in block.items() if converted(estimate, i, path))
-        linear = 6 * weights / plan.model.flops_per_token(estimate.seq_len)  # converted linears' share of the FLOPs
-        # rowwise_with_gw_hp leaves the weight gradient's matmul, one of each linear's three, in high precision.
-        share = min(linear, 1.0) * (2 / 3 if plugin_config.recipe == "rowwise_with_gw_hp" else 1)
-        rate_ratio = hardware.matmul_tflops() / hardware.matmul_tflops(float8=True)
-        earlier = estimate.matmul_speedup
-
-        def matmul_speedup(e):
-            # The shapes are the rank's, known once every plugin has split the linears and the tokens.
-            time_ratio = rate_ratio if measured is None else measured_time_ratio(e, measured, converted, rate_ratio)
-            return evaluated(earlier, e) / ((1 - share) + share * time_ratio)
-        estimate.matmul_speedup = matmul_speedup
-    if measured is None:
-        estimate.add_traffic(cast_traffic(plugin_config, converted), f"casts to float8 ({plugin_config.recipe})",
-                             "float8")
-
-
-def float8_gather_bytes(estimate, converted) -> float:
-    """Bytes per element of the rank's blocks' weights as FSDP gathers them: one for its converted linears', the
-    compute dtype's for the rest (norms; a mixture of experts' experts and router, most of its weights)."""
-    wide = estimate.compute_dtype.itemsize
-    blocks = sum(estimate.block_gathered(i) for i in estimate.blocks)
-    narrow = sum(linear.weights for linear in rank_converted(estimate, converted))
-    return (narrow + wide * (blocks - narrow)) / blocks if blocks else wide
-
-
-def converted_linears(plan, plugin_config):
-    """Whether the plugin converts a linear of the trace: a predicate on (estimate, block index, path in the block),
-    judged by the linear's whole shape and its name in the model, as ``converts`` judges modules."""
-    skipped = (*plan.model.float8_skip, *plugin_config.filter_fqns)
-    multiple = 32 if plugin_config.recipe in MXFP8_RECIPES else 16
-
-    def converted(e, index: int, path: str) -> bool:
-        linear = e.facts.block_linears[index][path]
-        return convertible(f"{plan.model.blocks}.{index}.{path}", linear.inputs, linear.outputs, skipped, multiple)
-    return converted
-
-
-def rank_converted(estimate, converted) -> list:
-    """The rank's block linears the plugin converts, as the rank computes them."""
-    return [linear for _, _, linear in rank_converted_at(estimate, converted)]
-
-
-def rank_converted_at(estimate, converted) -> list[tuple[int, str, object]]:
-    """The same with each one's block index and path in the block."""
-    return [(i, path, linear) for i in estimate.blocks for path, linear in estimate.rank_linears(i).items()
-            if converted(estimate, i, path)]
-
-
-def cast_traffic(plugin_config, converted):
-    """The bytes a step's casts to float8 move through device memory, as a function of the estimate."""
-    inputs, gradients, weights = CAST_BYTES.get(plugin_config.recipe, MXFP8_CAST_BYTES)
-    rescaled = RESCALED_OUTPUT_BYTES.get(plugin_config.recipe, 0)
-    gathered_cast = not plugin_config.fsdp_float8_all_gather
-
-    def cast_bytes(e):
-        # Each linear casts what it computes on: under tensor parallel a column-wise one its gathered input, a
-        # row-wise one its result's whole gradient (checked against the shapes torchao casts in a real step), but
-        # what tensor parallel casts before gathering (Estimate.cast_shares).
-        linears = rank_converted_at(e, converted)
-        shares = e.cast_shares or (lambda e, i, path: (1.0, 1.0))
-        activations = sum((inputs + rescaled) * linear.inputs * own_input + gradients * linear.outputs * own_grad
-                          for i, path, linear in linears
-                          for own_input, own_grad in [shares(e, i, path)]) * e.microbatch_tokens
-        linear_weights = sum(linear.weights for _, _, linear in linears)
-        casts = weights * linear_weights / (1 if gathered_cast else e.state_shards)
-        return (activations + casts + rescaled * linear_weights) * e.microbatches_per_step()
-    return cast_bytes
-
-
-def measured_time_ratio(estimate, table, converted, otherwise: float) -> float:
-    """The rank's converted linears' float8 time over their bfloat16 time, each linear at the table's speed-up for
-    its shape (M: a micro-batch's tokens on the rank; K, N: its input and result features there), weighted by
-    its matmuls' share; ``otherwise`` for a rank without any."""
-    tokens = estimate.microbatch_tokens
-    linears = rank_converted(estimate, converted)
-    work = sum(linear.inputs * linear.outputs for linear in linears)
-    if not work:
-        return otherwise
-    return sum(linear.inputs * linear.outputs / speedup(table, tokens, linear.inputs, linear.outputs)
-               for linear in linears) / work
-
-
-@hookimpl
-def plan_options(hardware):
-    """float8: off, or tensorwise with float8 all-gathers, on hardware with float8 matmuls."""
-    return [None, {"recipe": "tensorwise", "fsdp_float8_all_gather": True}] if hardware.fp8_tflops else [None]

@@ -26,7 +26,7 @@ def test_fp32_parity(titan_parity, overrides):
 
 def test_reducing_on_the_last_micro_batch_only_trains_alike(titan_parity):
     """reduce_gradients=last_micro_batch under 4 accumulated micro-batches: the gradients accumulate whole and are
-    reduce-scattered once (counted in tests/test_planner.py), with the one process's result."""
+    reduce-scattered once (counted in tests/test_planner_collectives.py), with the one process's result."""
     accumulated = ["training.grad_accum_steps=4"]
     report = titan_parity(["+plugins=[fsdp]", "plugins.fsdp.degree=2", "plugins.fsdp.reduce_gradients=last_micro_batch",
                            *accumulated], reference_overrides=accumulated)

@@ -351,6 +351,60 @@ def test_what_lora_cannot_do_is_refused(start):
     assert error.field == "plugins.lora.dropout" and "under tensor parallel" in str(error)
 
 
+@pytest.mark.parametrize("peft_options, field", [
+    ({"rank_pattern": {"q_proj": 8}}, 'rank_pattern={"q_proj": 8} (a rank per module)'),
+    ({"alpha_pattern": {"v_proj": 32.0}}, 'alpha_pattern={"v_proj": 32.0} (an alpha per module)'),
+    ({"use_dora": True}, "use_dora=true (DoRA's magnitude vectors)"),
+], ids=["rank_pattern", "alpha_pattern", "dora"])
+def test_an_adapter_whose_math_lora_does_not_compute_is_refused(start, tmp_path, peft_options, field):
+    """PEFT's per-module ranks and alphas and DoRA change what the adapter computes: its larger factor was once cut to
+    the configured rank, the logits ~1.0 away from PeftModel's, without a word. Refused before launch by name, as
+    the merge tool refuses it, never ignored."""
+    base, _ = start
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=MODULES, lora_dropout=0.0,
+                                                init_lora_weights=False, **peft_options))
+    model.save_pretrained(tmp_path / "adapter")
+    error = config_error("model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]", f"plugins.lora.rank={RANK}",
+                         f"plugins.lora.alpha={ALPHA}", f"plugins.lora.init_from={tmp_path / 'adapter'}")
+    assert str(error) == (f"plugins.lora.init_from: {tmp_path / 'adapter' / 'adapter_config.json'} sets {field}, which "
+                          "titan-core's LoRA does not compute; fix: start from a plain LoRA adapter, or merge this one "
+                          "into its base with PEFT (merge_and_unload, save_pretrained) and train from the merged folder")
+    merged = subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(tmp_path / "adapter"),
+                             str(tmp_path / "merged")], capture_output=True, text=True)
+    assert merged.returncode == 1 and f"sets {field}" in merged.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("merged*"))
+
+
+@pytest.mark.parametrize("key, value", [("modules_to_save", ["lm_head"]), ("layer_replication", [[0, 2]]),
+                                        ("fan_in_fan_out", True), ("bias", "all"), ("lora_bias", True),
+                                        ("some_future_field", 3)])
+def test_every_other_field_that_changes_the_math_is_refused_by_name(start, tmp_path, key, value):
+    """Every field of adapter_config.json beyond those titan-core reads or that do not change a trained adapter's
+    output, set to anything but PEFT's default, is refused naming it: a field PEFT adds later too."""
+    base, adapter = start
+    shutil.copytree(adapter, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    error = config_error("model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]", f"plugins.lora.rank={RANK}",
+                         f"plugins.lora.alpha={ALPHA}", f"plugins.lora.init_from={tmp_path / 'adapter'}")
+    assert error.field == "plugins.lora.init_from" and f"sets {key}={json.dumps(value)}" in str(error)
+
+
+def test_a_stored_factor_of_another_rank_is_refused_not_cut(start, tmp_path):
+    """Factors stored at rank 8 under a config saying 4 would be copied cut to the adapters' rank 4: refused."""
+    base, _ = start
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                peft.LoraConfig(r=2 * RANK, lora_alpha=ALPHA, target_modules=MODULES, lora_dropout=0.0))
+    model.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "r": RANK}))
+    error = config_error("model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]", f"plugins.lora.rank={RANK}",
+                         f"plugins.lora.alpha={ALPHA}", f"plugins.lora.init_from={tmp_path / 'adapter'}")
+    assert error.field == "plugins.lora.init_from"
+    assert f"has rank {2 * RANK}, not the plugins.lora.rank={RANK} its adapter_config.json says" in str(error)
+
+
 def test_a_hugging_face_export_of_a_lora_model_is_refused_before_training(start, tmp_path):
     base, _ = start
     result = run_job(["model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]", "plugins.checkpoint.export_hf=true",

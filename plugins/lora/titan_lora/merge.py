@@ -20,12 +20,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from titan_lora.peft_format import uncomputed_field
+
 PEFT_PREFIX = "base_model.model."
 
 
 def adapter_updates(adapter: Path) -> dict[str, torch.Tensor]:
     """``scale * B @ A`` of every adapted weight, by the base folder's tensor name."""
     config = json.loads((adapter / "adapter_config.json").read_text())
+    uncomputed = uncomputed_field(config, adapter)
+    if uncomputed:
+        raise ValueError(f"{uncomputed}: merge it with PEFT (PeftModel.merge_and_unload, then save_pretrained)")
     if config.get("target_parameters"):
         # A folder may store an expert stack as one tensor or as every expert's projections apart: only the
         # model's own loader knows which.

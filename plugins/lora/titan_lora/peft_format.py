@@ -66,8 +66,41 @@ def read_peft_config(folder: Path) -> dict:
     return json.loads((folder / "adapter_config.json").read_text())
 
 
+# Fields of PEFT's adapter_config.json that do not change what a loaded adapter computes, or that are honoured: r,
+# lora_alpha and use_rslora are checked against the options; target_modules and target_parameters through the tensors
+# the file holds. Every other field set to anything but PEFT's default is refused by name: a per-module rank or alpha,
+# DoRA's magnitudes, saved modules, replicated layers or transposed weights would be loaded wrong, not skipped.
+READ_AS_IS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+              "inference_mode", "r", "lora_alpha", "use_rslora", "target_modules", "target_parameters", "lora_dropout",
+              # how the factors were first drawn, which a trained adapter no longer depends on
+              "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+              # run-time placement, and settings that only apply beside a refused one
+              "runtime_config", "megatron_core", "qalora_group_size"}
+PEFT_DEFAULTS = (None, False, {}, [], "none")
+WHAT = {"use_dora": "DoRA's magnitude vectors", "rank_pattern": "a rank per module", "alpha_pattern": "an alpha per module",
+        "modules_to_save": "whole modules trained beside the adapters", "layer_replication": "replicated layers",
+        "fan_in_fan_out": "transposed (Conv1D) weights", "bias": "trained biases", "lora_bias": "a bias on lora_B",
+        "layers_to_transform": "adapters on some layers only", "exclude_modules": "modules left out by pattern"}
+
+
+def uncomputed_field(peft: dict, folder: Path) -> str | None:
+    """What an adapter_config.json sets that titan-core's LoRA does not compute, said in a line; None when nothing."""
+    for key, value in peft.items():
+        if key not in READ_AS_IS and not any(value == default and type(value) is type(default)
+                                             for default in PEFT_DEFAULTS):
+            what = f" ({WHAT[key]})" if key in WHAT else ""
+            return (f"{folder / 'adapter_config.json'} sets {key}={json.dumps(value)}{what}, which titan-core's LoRA "
+                    "does not compute")
+    return None
+
+
 def check_peft_config(peft: dict, options, folder: Path) -> None:
-    """A PEFT adapter is read only into adapters of its own rank and scale."""
+    """A PEFT adapter is read only into adapters of its own rank and scale, and only when every field that changes its
+    math is one titan-core's adapters compute."""
+    uncomputed = uncomputed_field(peft, folder)
+    if uncomputed:
+        raise ConfigError(f"{FIELD}.init_from", uncomputed, "start from a plain LoRA adapter, or merge this one into "
+                          "its base with PEFT (merge_and_unload, save_pretrained) and train from the merged folder")
     mine = {"r": options.rank, "lora_alpha": options.alpha, "use_rslora": options.rslora}
     for key, value in mine.items():
         if peft.get(key, False if key == "use_rslora" else None) != value:

@@ -21,7 +21,6 @@ first region is attention, its second the MLP; ``experts`` are its ``ExpertsLayo
 
 from __future__ import annotations
 
-import functools
 import logging
 from pathlib import Path
 
@@ -31,9 +30,9 @@ from safetensors import safe_open
 from titan_core import MIXED_PRECISION, TP, ConfigError, Declaration, build_meta_model, canonical_name, compute_dtype, \
     device_kind, hookimpl, lacks, local_box, text_or_null
 
-from titan_lora.adapters import EXPERTS, FIELD, ROLES, add_adapter, add_expert_adapters, adapters, block_linears, \
-    chosen_experts, chosen_linears, every_factor, expert_adapters, expert_stacks, frozen_matmul_weights, initialize, \
-    scale, split_like_base, target_paths
+from titan_lora.adapters import EXPERTS, FIELD, ROLES, add_adapter, add_expert_adapters, adapters, chosen_experts, \
+    chosen_linears, every_factor, expert_adapters, expert_stacks, frozen_matmul_weights, initialize, scale, \
+    split_like_base, target_paths
 from titan_lora.peft_format import check_peft_config, export_peft, peft_name, peft_stack_name, read_peft, \
     read_peft_config
 
@@ -92,37 +91,23 @@ def validate_options(config, options, plan) -> None:
         folder = Path(options.init_from).expanduser()
         check_peft_config(read_peft_config(folder), options, folder)
         with safe_open(folder / "adapter_model.safetensors", "pt") as file:
-            stored = set(file.keys())
-        wanted = {peft_name(name, which, plan.model) for name in chosen_linears(model, plan.model, paths)
-                  for which in ("lora_A", "lora_B")}
-        wanted |= {peft_stack_name(name, stacks, stack, which, plan.model)
-                   for name in (chosen_experts(model, plan.model) if stacks else ())
-                   for stack in stacks for which in ("lora_A", "lora_B")}
-        if wanted != stored:
-            odd = sorted(wanted ^ stored)[0]
-            raise ConfigError(f"{FIELD}.init_from", f"{folder} {'lacks' if odd in wanted else 'has'} {odd} for "
+            shapes = {name: file.get_slice(name).get_shape() for name in file.keys()}
+        # The rank each stored factor must have: a stack's factors hold every expert's.
+        ranks = {peft_name(name, which, plan.model): options.rank
+                 for name in chosen_linears(model, plan.model, paths) for which in ("lora_A", "lora_B")}
+        ranks |= {peft_stack_name(name, stacks, stack, which, plan.model): options.rank * plan.model.experts.count
+                  for name in (chosen_experts(model, plan.model) if stacks else ())
+                  for stack in stacks for which in ("lora_A", "lora_B")}
+        if ranks.keys() != shapes.keys():
+            odd = sorted(ranks.keys() ^ shapes.keys())[0]
+            raise ConfigError(f"{FIELD}.init_from", f"{folder} {'lacks' if odd in ranks else 'has'} {odd} for "
                               f"targets {list(options.targets)}", "set plugins.lora.targets to the adapter's modules")
-
-
-def whole_factors(model, description, targets) -> tuple[list[int], int]:
-    """Of the adapted ``model``, block by block, the elements of the adapters' factors a split of their linears
-    leaves whole (``lora_A`` of a linear split by output features, ``lora_B`` of one split by input features), and
-    how many linears a block adapts (of the blocks that adapt most)."""
-    rowwise = set(description.tensor_parallel.block_rowwise) if description.tensor_parallel else set()
-    paths = target_paths(description, targets)
-    chosen = [block_linears(block, paths) for block in description.blocks_of(model).values()]
-    elements = [sum((linear.lora_B if path in rowwise else linear.lora_A).weight.numel()
-                    for path, linear in linears.items()) for linears in chosen]
-    return elements, max((len(linears) for linears in chosen), default=0)
-
-
-def whole_low_rank_inputs(estimate, per_block: int, rank: int) -> float:
-    """What the blocks keep of the adapters' low-rank inputs beyond the split share the trace's figures give them
-    (each is whole on every rank), and the same of a block that recomputes them in backward."""
-    kept = [estimate.kept(i) / estimate.saved(i) if estimate.saved(i) else 0.0 for i in estimate.blocks]
-    blocks = sum(kept) + max((1 - share for share in kept), default=0.0)
-    return (estimate.microbatch_tokens * blocks * per_block * rank * estimate.compute_dtype.itemsize
-            * (1 - 1 / estimate.activation_split))
+        for name, rank in ranks.items():
+            stored = shapes[name][0 if ".lora_A." in name else -1]
+            if stored != rank:  # copied into a smaller adapter, a factor would be cut, not refused
+                raise ConfigError(f"{FIELD}.init_from", f"{folder}'s {name} has rank {stored}, not the "
+                                  f"{FIELD}.rank={options.rank} its adapter_config.json says",
+                                  "export the adapter again with PEFT (save_pretrained)")
 
 
 def adapt(model, plugin_config, plan) -> set[str]:
@@ -155,45 +140,9 @@ class LoraPlugin:
         return Declaration(stage=STAGE)
 
     @hookimpl
-    def plan_options(self):
-        """lora: never left out (it is what trains), its frozen linears in float32 or in bfloat16 (where the job
-        computes in bfloat16: a float32 job refuses the latter)."""
-        return [{"base_dtype": "float32"}, {"base_dtype": "bfloat16"}]
-
-    @hookimpl
     def validate(self, config, plugin_config, plan):
         """lora: every option, the targets against the model's blocks, a PEFT adapter to start from, before launch."""
         validate_options(config, plugin_config, plan)
-
-    @hookimpl
-    def estimate_costs(self, estimate, config, plugin_config, plan):
-        """lora: only the adapters train: gradients and optimizer states for their share of the model's size; the
-        model traced frozen, with its adapters; under a split of the linears (tensor parallel), each adapter's
-        factor left whole on every rank, and its low-rank input, which that factor makes."""
-        model = build_meta_model(config, plan.model)
-        narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model))  # before the adapters join them
-        adapt(model, plugin_config, plan)
-        every = sum(p.numel() for p in model.parameters())
-        whole, per_block = whole_factors(model, plan.model, plugin_config.targets)
-        split = estimate.weight_split  # tensor parallel's, set before this plugin's stage
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # Each rank trains its share of the split factors and all of the whole ones.
-        estimate.trained_share = (trained + sum(whole) * (split - 1)) / every
-        # The model is traced as this plugin converts it: a frozen weight's matmul keeps no input for its gradient,
-        # a frozen norm no normalized input; each adapter keeps its own.
-        estimate.trace_conversions[f"lora {plugin_config}"] = functools.partial(adapt, plugin_config=plugin_config,
-                                                                                 plan=plan)
-        if plugin_config.base_dtype == "bfloat16":
-            estimate.add_memory("parameters", lambda e: -2 * narrow / every * e.sharded_params(),
-                                "the frozen linears held in bfloat16 (2 bytes each, not 4)", "lora", when="held")
-        if split > 1:
-            # A pipeline rank holds its own blocks' factors.
-            estimate.add_memory("parameters", lambda e: 4 * sum(whole[i] for i in e.blocks) * (1 - 1 / split)
-                                / e.state_shards,
-                                "the adapters' factors whole on every tensor-parallel rank", "lora", when="held")
-            estimate.add_memory("activations", functools.partial(whole_low_rank_inputs, per_block=per_block,
-                                                                 rank=plugin_config.rank),
-                                "the adapters' low-rank inputs, whole on every tensor-parallel rank", "lora")
 
     @hookimpl
     def convert_modules(self, model, plugin_config, plan):

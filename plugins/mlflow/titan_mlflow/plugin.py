@@ -92,11 +92,6 @@ class MlflowTracker:
         self.client.log_text(self.run_id, OmegaConf.to_yaml(config, resolve=True), f"{folder}/config.yaml")
 
     @hookimpl
-    def estimate_costs(self) -> None:
-        """mlflow: nothing on the devices or in their collectives: rank 0 sends a logged step's values between steps
-        (a round trip to the tracking server on logging steps, not priced: no hardware profile knows the server)."""
-
-    @hookimpl
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         """mlflow: send a logged step's values."""
         if self.run_id is not None and metrics:

@@ -82,11 +82,6 @@ class SftPlugin:
                 f"{len(indices)} {kind} (e.g. row {indices[0]})" for kind, indices in kinds.items()), flush=True)
 
     @hookimpl
-    def estimate_costs(self) -> None:
-        """sft: nothing of its own: its rows are the core's, and a packed row's document mask is the core's
-        (``training.attention_mask=block_causal``, which packing requires), counted by the model's trace."""
-
-    @hookimpl
     def build_dataloader(self, config, tokenizer, dp_rank, dp_size, plugin_config):
         """sft: this rank's rows of packed (or padded) conversations, the replies alone trained on."""
         every = plugin_config.holdout_every

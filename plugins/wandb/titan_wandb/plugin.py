@@ -58,11 +58,6 @@ class WandbTracker:
         ids.write_text(json.dumps({"id": run_id}) + "\n")
 
     @hookimpl
-    def estimate_costs(self) -> None:
-        """wandb: nothing on the devices or in their collectives: rank 0 hands a logged step's values to wandb's own
-        process between steps."""
-
-    @hookimpl
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         """wandb: send a logged step's values."""
         if self.run is not None and metrics:
