@@ -1,6 +1,7 @@
 """The numbers a run prints mean what they say: throughput counts the steps' own time (validation and checkpoint
 saves are reported on their own), and the time left comes from the recent pace."""
 
+import json
 import logging
 
 import pytest
@@ -45,3 +46,20 @@ def test_throughput_leaves_out_validation_and_saves_and_the_eta_follows_the_rece
     # (over the whole run it would say 40 x 2.5 s).
     assert caplog.records[-1].getMessage().endswith("| eta 0m40s")
     logger.close()
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 7], ids=["one-read", "many-reads"])
+def test_a_resumed_runs_log_supersedes_what_its_stopped_attempt_logged_past_the_checkpoint(tmp_path, monkeypatch,
+                                                                                        chunk):
+    """A run stopped at step 30 after saving step 20 logged 21-30 (and may have torn its last line): the resumed run
+    cuts the log after step 20 before logging 21 again, reading back from the end only (in chunks of LOG_CHUNK)."""
+    monkeypatch.setattr(metrics_module, "LOG_CHUNK", chunk)
+    log = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": step, "loss": 1.0 / step}) for step in range(1, 31)]
+    log.write_text("\n".join(lines[:20]) + "\n" + json.dumps({"step": 20, "validation_loss": 2.0}) + "\n"
+                   + "\n".join(lines[20:]) + '\n{"step": 31, "lo')
+    metrics_module.cut_log_after(log, 20)
+    kept = log.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept] == [*range(1, 21), 20] and log.read_text().endswith("\n")
+    metrics_module.cut_log_after(log, 0)  # a run starting afresh in the same folder
+    assert log.read_text() == ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -39,6 +40,39 @@ def peak_tflops(configured: float | None, device: torch.device) -> tuple[float |
     return None, "a CPU has no datasheet peak here, so no MFU: set metrics.peak_tflops to this CPU's to see it"
 
 
+def cut_log_after(path: Path, step: int) -> None:
+    """Cut a ``metrics.jsonl`` after its last line of ``step`` or an earlier one (a torn last line goes too), so that
+    a run resumed after ``step`` logs each step once. Reads back from the end only as far as that line: the steps
+    since the checkpoint, whatever the run's length."""
+    if not path.is_file():
+        return
+    with open(path, "r+b") as file:
+        end = start = file.seek(0, os.SEEK_END)
+        while start > 0:
+            start = max(0, start - LOG_CHUNK)
+            file.seek(start)
+            lines = file.read(end - start).split(b"\n")
+            whole = lines if start == 0 else lines[1:]  # the first may begin before this chunk
+            line_end = end - sum(len(line) + 1 for line in whole) + 1  # where the first whole line starts
+            ends = []
+            for line in whole:
+                line_end += len(line) + 1
+                ends.append((min(line_end, end), line))
+            kept = next((line_end for line_end, line in reversed(ends) if _logged_step(line) is not None
+                         and _logged_step(line) <= step), None)
+            if kept is not None:
+                file.truncate(kept)
+                return
+        file.truncate(0)
+
+
+def _logged_step(line: bytes) -> int | None:
+    try:
+        return json.loads(line).get("step")
+    except ValueError:
+        return None
+
+
 def global_means(values: list[torch.Tensor | None], device: torch.device) -> list[float]:
     """Each value's mean over the ranks that hold it (None: this rank holds none), in one all-reduce.
 
@@ -61,6 +95,7 @@ def memory_gib(device: torch.device) -> float:
 
 
 VALIDATION = frozenset({"validation_loss", "validation_perplexity"})
+LOG_CHUNK = 1 << 16  # bytes read back at a time from the end of metrics.jsonl
 ETA_WINDOW = 5  # logged intervals the time left is estimated from
 CORE_METRICS = frozenset({"step", "loss", "loss_avg", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                           "tokens_per_s_per_device", "tflops_per_device", "memory_gib", "mfu"})
@@ -81,11 +116,13 @@ class MetricsLogger:
         if self.writes:
             log.info("peak %s TFLOPS per device (%s); %.3g training FLOPs per token",
                      f"{self.peak:.3g}" if self.peak else "unknown", source, flops_per_token)
+        if self.writes:  # a resumed run logs again what its stopped attempt logged past the checkpoint
+            cut_log_after(run_dir / "metrics.jsonl", first_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a") if self.writes else None
         self.tensorboard = None
         if self.writes and config.metrics.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(str(run_dir / "tb"))
+            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=first_step + 1)
         self.first_step = first_step
         self.last = time.perf_counter()
         self.last_step = first_step

@@ -148,6 +148,8 @@ def test_stopped_run_resumes_bit_for_bit(tmp_path, faults, uninterrupted, plan, 
     assert f"checkpoints/step-{newest}: continuing after step {newest}" in log
     whole = uninterrupted(plan, *options)
     assert losses_by_step(resumed) == losses_by_step(whole)
+    # Each step logged once: the resumed run cut what its stopped attempt logged past the checkpoint.
+    assert [m["step"] for m in resumed.metrics] == [m["step"] for m in whole.metrics]
     assert_same_weights(resumed.final_weights(), whole.final_weights())
 
 

@@ -59,6 +59,12 @@ def test_import_gives_back_the_same_model(tmp_path):
     rebuilt.rope = model.rope
     with torch.no_grad():
         assert torch.equal(rebuilt(TOKENS), model(TOKENS))
+    # An export of what was imported keeps the folder's context, not the training length it was read at.
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 131072}))
+    options, _ = import_hf(tmp_path, adapter)
+    export_hf(weights, describe(llama_args(options, vocab_size=300, seq_len=32)).hf, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["max_position_embeddings"] == 131072
 
 
 def test_export_dtype_is_the_stored_dtype(tmp_path):

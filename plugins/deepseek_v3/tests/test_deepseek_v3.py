@@ -121,6 +121,7 @@ def test_a_transformers_folder_imports_with_its_logits_and_the_export_reads_back
 
     export_hf(ours.state_dict(), describe(ours.args).hf, tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 64  # the source's context, not the training length (32)
     assert (config["n_routed_experts"], config["rope_parameters"]["rope_type"]) == (8, "yarn")
     transformers = pytest.importorskip("transformers")
     again = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()

@@ -73,7 +73,7 @@ def hf_config(args: DeepseekV3Args) -> dict:
                  **{name: getattr(args, name) for name in YARN[1:]}}
     return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": FAMILY, "hidden_act": "silu",
             "attention_bias": False, "rope_interleave": True, "num_key_value_heads": args.num_attention_heads,
-            "max_position_embeddings": args.seq_len, **values, "rope_parameters": rope}
+            **values, "max_position_embeddings": args.max_position_embeddings or args.seq_len, "rope_parameters": rope}
 
 
 def options_from_hf(config: dict) -> dict:

@@ -95,6 +95,7 @@ def test_a_transformers_folder_imports_with_its_logits_and_the_export_reads_back
 
     export_hf(ours.state_dict(), describe(ours.args).hf, tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 64  # the source's context, not the training length (32)
     assert (config["num_local_experts"], config["rope_parameters"]["truncate"]) == (8, False)
     transformers = pytest.importorskip("transformers")
     again = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32,
@@ -143,6 +144,23 @@ def test_the_three_expert_kernels_match_an_expert_by_expert_loop(dtype):
         assert_near(out, expected)
         for ours, theirs in zip(torch.autograd.grad(out, list(experts.parameters()), grad.to(dtype)), expected_grads):
             assert_near(ours, theirs)
+
+
+def test_yarns_optional_keys_default_as_transformers_reads_them(tmp_path):
+    """Betas left out (or 0) are transformers' 32 and 1; mscale, mscale_all_dim or attention_factor, which would
+    change the rotation's magnitude in transformers, are refused by name rather than ignored."""
+    rope = {key: value for key, value in hf_config()["rope_parameters"].items() if not key.startswith("beta")}
+    hf = transformers_model(rope_parameters={**rope, "beta_fast": 0})
+    hf.save_pretrained(tmp_path / "hf")
+    options, _ = import_hf(tmp_path / "hf", describe(args()).hf)
+    assert (options["beta_fast"], options["beta_slow"]) == (32.0, 1.0)
+    ours = GptOss(gpt_oss_args(options, vocab_size=300, seq_len=32))
+    load_hf_slices([ours], tmp_path / "hf", describe(ours.args).hf)
+    with torch.no_grad():
+        assert (ours(TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
+    for key, value in (("mscale", 1.0), ("mscale_all_dim", 0.5), ("attention_factor", 1.1)):
+        with pytest.raises(ConfigError, match=f"config.json's YaRN sets {key}={value}, which titan-core's gpt-oss"):
+            options_from_hf({**hf_config(), "rope_parameters": {**rope, key: value}})
 
 
 def test_a_quantized_release_is_refused_in_one_line():

@@ -47,6 +47,7 @@ class GptOssArgs(MoeOptions):
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None  # an HF folder's stated context, exported as is (None: seq_len)
     seq_len: int = 4096  # the training sequence length: the rows of the RoPE table
     num_experts: int = 128
     num_experts_per_tok: int = 4

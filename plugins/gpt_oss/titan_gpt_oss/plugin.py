@@ -81,7 +81,7 @@ def hf_config(args: GptOssArgs) -> dict:
         rope |= {"rope_type": "yarn", "factor": args.rope_scaling_factor, "truncate": False,
                  **{name: getattr(args, name) for name in YARN[1:]}}
     return {"architectures": ["GptOssForCausalLM"], "model_type": FAMILY, "hidden_act": "silu",
-            "max_position_embeddings": args.seq_len, **values,
+            **values, "max_position_embeddings": args.max_position_embeddings or args.seq_len,
             "layer_types": [args.layer_type(layer) for layer in range(args.num_hidden_layers)],
             "rope_parameters": rope}
 
@@ -108,7 +108,16 @@ def options_from_hf(config: dict) -> dict:
     if options.get("layer_types") is not None:
         options["layer_types"] = list(options["layer_types"])
     if rope_type == "yarn":
-        options |= {"rope_scaling_factor": rope["factor"], **{name: rope[name] for name in YARN[1:] if name in rope}}
+        # transformers' YaRN: the betas at 32 and 1 when absent or 0; the magnitude the plain correction unless
+        # mscale and mscale_all_dim (or attention_factor) say otherwise, which this model does not compute.
+        uncomputed = [key for key in ("attention_factor", "mscale", "mscale_all_dim") if rope.get(key) is not None]
+        if uncomputed:
+            raise ConfigError("model.path", f"config.json's YaRN sets {uncomputed[0]}={rope[uncomputed[0]]}, which "
+                              "titan-core's gpt-oss does not compute", f"remove {uncomputed[0]} from rope_parameters "
+                              "if the model was trained without it")
+        options |= {"rope_scaling_factor": rope["factor"],
+                    "original_max_position_embeddings": rope["original_max_position_embeddings"],
+                    "beta_fast": rope.get("beta_fast") or 32.0, "beta_slow": rope.get("beta_slow") or 1.0}
     return options
 
 

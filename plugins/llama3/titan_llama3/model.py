@@ -34,6 +34,7 @@ class LlamaArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    max_position_embeddings: int | None = None  # an HF folder's stated context, exported as is (None: max_seq_len)
     max_seq_len: int = 2048
 
     @property

@@ -71,7 +71,8 @@ def hf_config(args: LlamaArgs) -> dict:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
-        "rms_norm_eps": args.norm_eps, "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps, "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_position_embeddings or args.max_seq_len,
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
         # transformers 5 reads rope_parameters; earlier versions rope_theta and rope_scaling.
         "rope_parameters": rope, "rope_theta": args.rope_theta,
@@ -102,6 +103,7 @@ def options_from_hf(config: dict) -> dict:
         "rope_low_freq_factor": rope.get("low_freq_factor", 1.0),
         "rope_high_freq_factor": rope.get("high_freq_factor", 4.0),
         "rope_original_max_positions": rope.get("original_max_position_embeddings", 8192),
+        "max_position_embeddings": config.get("max_position_embeddings"),
     }
 
 

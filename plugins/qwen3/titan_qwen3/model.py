@@ -27,6 +27,7 @@ class Qwen3Args:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None  # an HF folder's stated context, exported as is (None: seq_len)
     seq_len: int = 4096  # the training sequence length: the rows of the RoPE table
 
 

@@ -53,7 +53,7 @@ def hf_config(args: Qwen3Args, options=OPTIONS, architecture: str = "Qwen3ForCau
               model_type: str = "qwen3") -> dict:
     values = {name: getattr(args, name) for name in options}
     return {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
-            "attention_bias": False, "max_position_embeddings": args.seq_len, **values,
+            "attention_bias": False, **values, "max_position_embeddings": args.max_position_embeddings or args.seq_len,
             # transformers 5 reads rope_parameters; earlier versions rope_theta.
             "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
 
