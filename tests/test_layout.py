@@ -207,6 +207,11 @@ def apply_parallelism(model_parts: nn.Module, mesh: ParallelMesh) -> list[nn.Mod
 @hookimpl
 def declare() -> int:
     return 3
+
+
+@hookimpl
+def build_schedule(model_parts) -> int:
+    return 3
 """
 WELL_TYPED = """
 from typing import Any
@@ -229,6 +234,16 @@ def declare(plugin_config) -> Declaration:
 @hookimpl
 def step_metrics() -> dict:
     return {}
+
+
+class Steps:
+    def run(self, inputs, labels, model_kwargs):
+        return None
+
+
+@hookimpl
+def build_schedule(model_parts) -> Steps:
+    return Steps()
 """
 
 
@@ -247,6 +262,7 @@ def test_the_first_lane_refuses_a_mistyped_hook_implementation(tmp_path):
     assert bad.stderr.splitlines() == [
         "titan-core: hook types: mistyped: apply_parallelism(model_parts: Module): the spec passes "
         "list[torch.nn.modules.module.Module]",
+        "titan-core: hook types: mistyped: build_schedule returns int, the spec Schedule",
         "titan-core: hook types: mistyped: declare returns int, the spec titan_core.plan.Declaration | None"]
     assert good.returncode == 0, good.stderr
     lane = (ROOT / ".ci" / "first-lane").read_text()

@@ -15,7 +15,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     positions         rope_frequencies, yarn_frequencies, yarn_mscale
     experts           MoE, MoeOptions, SwiGLU, check_moe_options, ExpertRouting, init_routing_buffers
     the objective     add_loss, IGNORE_INDEX; the optimizer's groups: parameter_role, PARAMETER_ROLES, param_groups
-    the run           ParallelMesh, TrainState, Stateful, local_box, device_kind
+    the run           ParallelMesh, TrainState, Stateful, local_box, device_kind; Tokenizer, Batches, Schedule
     data-parallel     replicate_only_over, replicated_over
     tensor parallel   GatherCasts, cast_gathers, gather_casts, keep_precision (gathered tensors cast to travel)
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
@@ -52,6 +52,7 @@ from titan_core.parameter_roles import PARAMETER_ROLES, param_groups, parameter_
 from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Declaration, MeshDimension, Plan,
                              PlannedPlugin, rest_of)
 from titan_core.plugins import build_meta_model, model_description
+from titan_core.protocols import Batches, Schedule, Tokenizer
 from titan_core.rope import rope_frequencies, yarn_frequencies, yarn_mscale
 from titan_core.train_state import Stateful, TrainState
 
@@ -67,16 +68,16 @@ __all__ = [
     "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "StoredLayout", "CORE_ATTENTION",
     "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
     # mixture-of-experts building blocks
-    "rope_frequencies", "yarn_frequencies", "yarn_mscale",
-    "MoE", "MoeOptions", "SwiGLU", "check_moe_options", "ExpertRouting", "init_routing_buffers",
+    "rope_frequencies", "yarn_frequencies", "yarn_mscale", "MoE", "MoeOptions", "SwiGLU", "check_moe_options",
+    "ExpertRouting", "init_routing_buffers",
     # the attention seam
     "causal_attention", "masked_attention", "attention_mask", "shared_mask", "route_masked_attention", "document_ids",
     "grouped",
     # the objective, the optimizer's parameter groups
     "add_loss", "IGNORE_INDEX", "parameter_role", "PARAMETER_ROLES", "param_groups",
-    # the run, data parallel, options
-    "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind", "replicate_only_over", "replicated_over",
-    "GatherCasts", "cast_gathers", "gather_casts", "keep_precision",
+    # the run (and what hooks pass beyond torch's types), data parallel, options
+    "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind", "Tokenizer", "Batches", "Schedule",
+    "replicate_only_over", "replicated_over", "GatherCasts", "cast_gathers", "gather_casts", "keep_precision",
     "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count",
     # tools
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",

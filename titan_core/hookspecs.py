@@ -30,7 +30,7 @@ installed under), and ``plan``, the validated :class:`titan_core.Plan` whose ``p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch import nn
 from titan_core.description import ModelDescription
 from titan_core.mesh import ParallelMesh
 from titan_core.plan import Declaration, Plan
+from titan_core.protocols import Batches, Schedule, Tokenizer
 from titan_core.train_state import TrainState
 
 PROJECT = "titan_core"
@@ -204,12 +205,12 @@ def wrap_loss(loss_fn: LossFn, model_parts: list[nn.Module], config: DictConfig,
 
 @hookspec(firstresult=True)
 def build_schedule(model_parts: list[nn.Module], mesh: ParallelMesh, config: DictConfig, loss_fn: LossFn,
-                   plugin_config: DictConfig, plan: Plan) -> Any:
+                   plugin_config: DictConfig, plan: Plan) -> Schedule:
     """Build what runs forward and backward of one micro-batch, after the weights are initialized.
 
     Runs once per worker; the one enabled plugin implementing it answers, else the core's forward and backward.
 
-    :returns: An object with ``run(inputs, labels, model_kwargs) -> loss | None``: it runs the model parts as
+    :returns: A :class:`titan_core.Schedule`: its ``run(inputs, labels, model_kwargs)`` runs the model parts as
         ``part(inputs, **model_kwargs)`` (a pipeline stage after the first takes the previous stage's output
         in place of ``inputs``, and the same keyword arguments split into micro-batches like the inputs), calls
         backward on ``loss * loss_weight`` and returns the detached loss before that weight, or None on ranks
@@ -248,25 +249,23 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: DictConfig, plu
 
 
 @hookspec(firstresult=True)
-def build_dataloader(config: DictConfig, tokenizer: Any, dp_rank: int, dp_size: int, plugin_config: DictConfig,
-                     plan: Plan) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def build_dataloader(config: DictConfig, tokenizer: Tokenizer, dp_rank: int, dp_size: int, plugin_config: DictConfig,
+                     plan: Plan) -> Batches:
     """Build the training batches for this data-parallel rank.
 
     Runs once per worker; the one enabled plugin implementing it answers, else the core's loader (prepared
     token shards, or documents packed into one global stream). The core makes batches ahead on a thread
     (``data.prefetch``) and saves its position as of the batches taken.
 
-    :param tokenizer: The run's tokenizer (``vocab_size``, ``bos_id``, ``eos_id``, ``encode``).
-    :param dp_rank: This rank's index among the data-parallel ranks.
-    :param dp_size: The number of data-parallel ranks.
-    :returns: An iterator of ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows of
-        ``seq_len`` tokens) with ``state_dict()`` (a snapshot, called after each batch) and
-        ``load_state_dict()`` for exact resume, and optionally ``metrics()``, a dict of numbers for the log.
+    :param tokenizer: The run's tokenizer (:class:`titan_core.Tokenizer`).
+    :param dp_rank: This rank's index among the ``dp_size`` data-parallel ranks.
+    :returns: :class:`titan_core.Batches`: ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows
+        of ``seq_len`` tokens), ``state_dict()`` a snapshot taken after each batch, and optionally ``metrics()``.
     """
 
 
 @hookspec(firstresult=True)
-def build_validation_batches(config: DictConfig, tokenizer: Any, dp_rank: int, dp_size: int,
+def build_validation_batches(config: DictConfig, tokenizer: Tokenizer, dp_rank: int, dp_size: int,
                              plugin_config: DictConfig, plan: Plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Build the held-out batches every evaluation uses, for this data-parallel rank.
 

@@ -58,8 +58,8 @@ def cut_log_after(path: Path, step: int) -> None:
             for line in whole:
                 line_end += len(line) + 1
                 ends.append((min(line_end, end), line))
-            kept = next((line_end for line_end, line in reversed(ends) if _logged_step(line) is not None
-                         and _logged_step(line) <= step), None)
+            kept = next((line_end for line_end, line in reversed(ends)
+                         if (logged := _logged_step(line)) is not None and logged <= step), None)
             if kept is not None:
                 file.truncate(kept)
                 return

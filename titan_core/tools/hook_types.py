@@ -57,7 +57,12 @@ def fits(actual, expected) -> bool:
         return not expected_arguments or (len(arguments) == len(expected_arguments) and all(
             fits(a, e) for a, e in zip(arguments, expected_arguments)))
     actual = origin or actual
-    return isinstance(actual, type) and isinstance(expected, type) and issubclass(actual, expected)
+    if not (isinstance(actual, type) and isinstance(expected, type)):
+        return False
+    try:
+        return issubclass(actual, expected)
+    except TypeError:  # a protocol with data members (titan_core.Tokenizer) is not checkable by class
+        return True
 
 
 def _is_union(annotation) -> bool:
