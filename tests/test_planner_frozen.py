@@ -3,6 +3,9 @@ checkpointing of a frozen model, the core's autocast traced with float32 weights
 
 import dataclasses
 import importlib.util
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -20,6 +23,7 @@ spec = importlib.util.spec_from_file_location("planner_cases", Path(__file__).wi
 cases = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cases)
 CPU, SMALL, _estimate = cases.CPU, cases.SMALL, cases._estimate
+_plan_command, _printed_bytes = cases._plan_command, cases._printed_bytes
 _tracked_step, _term = cases._tracked_step, cases._term
 
 
@@ -188,3 +192,25 @@ def test_a_cuda_jobs_autocast_is_traced_with_cudas_float32_ops(model, widened):
     assert gpu.autocasts and cpu.autocasts
     kept_gpu, kept_cpu = sum(gpu.facts.block_saved), sum(cpu.facts.block_saved)
     assert (kept_gpu > 1.02 * kept_cpu) if widened else (kept_gpu == kept_cpu), (kept_gpu, kept_cpu)
+
+
+def test_the_freeze_example_is_planned_frozen(tmp_path):
+    """examples/freeze-plugin, installed as a user would, prices itself from its own pricing module: the optimizer's
+    states cover only what still trains (the tiny Llama with its embeddings and first block frozen), and it is not
+    listed as not counted."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target",
+                    str(site), str(Path(__file__).resolve().parents[1] / "examples" / "freeze-plugin")], check=True,
+                   capture_output=True, timeout=600)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    job = ["--hardware", "a100", "model=tiny", "tokenizer.path=bytes", "training.seq_len=64", "launch.world_size=1"]
+    plain, frozen = (_plan_command(*job, *extra, env=env) for extra in (
+        (), ("+plugins=[freeze]", "plugins.freeze.blocks=[0]", "plugins.freeze.inputs=true")))
+    assert plain.returncode == 0 and frozen.returncode == 0, frozen.stderr
+    assert "not counted" not in frozen.stdout
+    config = compose("model=tiny", "tokenizer.path=bytes", "training.seq_len=64")
+    model = build_meta_model(config, build_plan(config, Registry(config), None, 256).model)
+    kept = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("tok_embeddings.", "layers.0.")))
+    everything = sum(p.numel() for p in model.parameters())
+    states = [_printed_bytes(run.stdout, "    optimizer ") for run in (plain, frozen)]
+    assert states[1] / states[0] == pytest.approx(kept / everything, rel=5e-3)  # sizes printed to 3 figures

@@ -162,9 +162,9 @@ def install(sources: list[Path], target: Path) -> dict:
 @pytest.mark.slow
 def test_third_party_plugin_installs_and_trains(tmp_path):
     env = install([ROOT / "examples" / "freeze-plugin"], tmp_path / "site")
-    result = run_job([*TINY, "+plugins=[freeze]", "plugins.freeze.modules=[tok_embeddings,layers.0]"],
+    result = run_job([*TINY, "+plugins=[freeze]", "plugins.freeze.blocks=[0]", "plugins.freeze.inputs=true"],
                      tmp_path / "run", env=env)
-    assert "    50  freeze       titan-freeze-example" in result.stdout
+    assert "     -  freeze       titan-freeze-example" in result.stdout
     weights = result.final_weights()
 
     args = llama_args(OmegaConf.load(ROOT / "plugins" / "llama3" / "titan_llama3" / "conf" / "model" / "tiny.yaml"),
