@@ -411,13 +411,13 @@ def on_train_end(state: TrainState, preempted: bool, run_dir: Path, config: Dict
 
 @hookspec
 def on_error(error: BaseException, step: int, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
-    """Event: the run failed on this rank with ``error``; it is about to exit with one line.
+    """Event: the run failed on this rank; it is about to exit with one line.
 
-    Runs on the failing rank only, in plan order, once the plan exists (a job refused before launch never
-    gets here): for what must still happen on the way out (finishing a save in flight, marking a tracked run
-    failed). An error raised here is logged and does not replace ``error``; do not wait on other ranks
-    longer than ``launch.hang_timeout_s``.
+    Runs on every rank whose run failed, in plan order, once the plan exists (never for a job refused before
+    launch): for what must still happen on the way out (finishing a save in flight, marking a tracked run failed).
+    An error raised here is logged and does not replace ``error``; do not wait on other ranks.
 
-    :param error: What failed (a collective timeout, a NaN loss, a plugin's own exception, ...).
+    :param error: What failed (a timeout, a NaN loss, a plugin's exception); on a rank another's failure reached,
+        a ``RankFailed`` whose message is that rank's line and whose ``__cause__`` is what this rank saw.
     :param step: The step the run was in when it failed (0 before the first began).
     """

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def train(config, run_dir: Path, own_crash_line: bool = False) -> signal.Signals
     if device.type == "cpu" and (threads := cpu_threads(config.launch, world_size)):
         torch.set_num_threads(threads)
     backend = config.launch.backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, store=_rendezvous_store(rank, world_size), rank=rank, world_size=world_size,
+    store = _rendezvous_store(rank, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             device_id=device if device.type == "cuda" else None,
                             timeout=timedelta(seconds=config.launch.init_timeout_s))
     hooks, trainer = None, None
@@ -77,8 +79,10 @@ def train(config, run_dir: Path, own_crash_line: bool = False) -> signal.Signals
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:  # a library's own BaseException too (DCP's CheckpointException)
+        first = first_failure(store, f"rank {rank}: {type(error).__name__}: {_last_line(error)}")
         if hooks is not None:
-            _tell_plugins(hooks, error, trainer.state.step if trainer is not None else 0, config)
+            _tell_plugins(hooks, error if first is None else reached(error, first),
+                          trainer.state.step if trainer is not None else 0, config)
         raise SystemExit(_one_line(error, rank, run_dir, config)) from None
     finally:
         dist.destroy_process_group()
@@ -91,6 +95,43 @@ def _tell_plugins(hooks: Hooks, error: BaseException, step: int, config) -> None
             hooks.call(name, "on_error", error=error, step=step, config=config)
         except Exception:
             log.exception("the on_error hook of %s failed too", name)
+
+
+class RankFailed(RuntimeError):
+    """Another rank's failure as it reached this one: its message is that rank's line."""
+
+
+FAILURES, FIRST_FAILURE = "failures", "first-failure"  # keys of the attempt's rendezvous store
+FAILURE_WAIT_S = 2.0  # how long a rank another's failure reached waits for that rank's line
+
+
+def first_failure(store: dist.Store, line: str) -> str | None:
+    """The line of the rank that failed first, when another did: this rank's ``line`` is published when it is the
+    first (then None). The first's is in the store before its process ends, and so before its peers' collectives
+    break; a store gone with the rank that held it leaves each rank its own error."""
+    try:
+        if store.add(FAILURES, 1) == 1:
+            store.set(FIRST_FAILURE, line)
+            return None
+        deadline = time.monotonic() + FAILURE_WAIT_S
+        while not store.check([FIRST_FAILURE]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return store.get(FIRST_FAILURE).decode()
+    except (RuntimeError, OSError):  # torch's store errors are RuntimeErrors (DistStoreError, DistNetworkError)
+        return None
+
+
+def reached(error: BaseException, first: str) -> RankFailed:
+    """What ``on_error`` receives on a rank the first failure reached: that failure, caused here by ``error``."""
+    failed = RankFailed(first)
+    failed.__cause__ = error
+    return failed
+
+
+def _last_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[-1]
 
 
 def _one_line(error: BaseException, rank: int, run_dir: Path, config) -> int:
@@ -111,7 +152,7 @@ def _one_line(error: BaseException, rank: int, run_dir: Path, config) -> int:
             "another rank stopped responding, or died)" if "timed out" in message else
             " (another rank ended first: its own line says why)"
             if "connection closed" in message or "connection reset" in message else "")
-    print(f"titan-core: rank {rank} failed: {type(error).__name__}: {str(error).strip().splitlines()[-1]}{hint}; "
+    print(f"titan-core: rank {rank} failed: {type(error).__name__}: {_last_line(error)}{hint}; "
           f"traceback in {rank_log(run_dir, rank)}", file=sys.stderr, flush=True)
     return 1
 

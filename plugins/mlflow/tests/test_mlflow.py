@@ -12,11 +12,12 @@ pytestmark = pytest.mark.slow
 OPTIONS = (*TINY, "training.steps=4", "validation.every=2", "plugins.mlflow.experiment=smoke",
            "plugins.mlflow.tags={team: llm}")
 FAIL = '''
+import torch.distributed as dist
 from titan_core import hookimpl
 
 @hookimpl
 def on_step_end(step, plugin_config):
-    if step == plugin_config.at_step:
+    if step == plugin_config.at_step and dist.get_rank() == plugin_config.rank:
         raise RuntimeError(f"injected failure after step {step}")
 '''
 
@@ -62,13 +63,27 @@ def test_a_run_and_its_resume_are_one_mlflow_run_with_every_logged_value(tmp_pat
 
 def test_a_failed_run_ends_its_mlflow_run_failed(tmp_path, store):
     uri, client = store
-    env = install_plugins(tmp_path / "site", {"fail": (FAIL, "at_step: 2\n")})
+    env = install_plugins(tmp_path / "site", {"fail": (FAIL, "at_step: 2\nrank: 0\n")})
     result = run_job(["+plugins=[mlflow,fail]", *OPTIONS, "training.steps=3", f"plugins.mlflow.tracking_uri={uri}"],
                      tmp_path / "run", env=env, expect_success=False)
     assert result.returncode == 1 and "injected failure after step 2" in result.stderr
     run = tracked_run(client, tmp_path / "run")
     assert run.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1]  # step 2 failed in fail's hook
+    assert run.data.tags["titan_core.error"] == "RuntimeError: injected failure after step 2"
+
+
+def test_rank_0s_tracker_records_the_failing_ranks_own_error(tmp_path, store):
+    """Rank 1 fails; rank 0's collectives break ("Connection closed by peer"). Rank 0's on_error receives rank 1's
+    line, which its tracker records, not gloo's."""
+    uri, client = store
+    env = install_plugins(tmp_path / "site", {"fail": (FAIL, "at_step: 2\nrank: 1\n")})
+    result = run_job(["+plugins=[mlflow,fail,fsdp]", *OPTIONS, "training.steps=3", "plugins.fsdp.degree=2",
+                      f"plugins.mlflow.tracking_uri={uri}"], tmp_path / "run", env=env, expect_success=False)
+    assert result.returncode == 1 and "rank 1 failed: RuntimeError: injected failure after step 2" in result.stderr
+    run = tracked_run(client, tmp_path / "run")
+    assert run.info.status == "FAILED"
+    assert run.data.tags["titan_core.error"] == "RankFailed: rank 1: RuntimeError: injected failure after step 2"
 
 
 

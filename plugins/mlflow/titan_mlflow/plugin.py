@@ -105,14 +105,22 @@ class MlflowTracker:
         self._end(RunStatus.KILLED if preempted else RunStatus.FINISHED)
 
     @hookimpl
-    def on_error(self) -> None:
-        """mlflow: end the run as failed."""
+    def on_error(self, error: BaseException) -> None:
+        """mlflow: end the run as failed, the failure's line in the tag titan_core.error (another rank's, when that
+        one failed first)."""
+        if self.run_id is not None:
+            self.client.set_tag(self.run_id, "titan_core.error", error_line(error))
         self._end(RunStatus.FAILED)
 
     def _end(self, status: int) -> None:
         if self.run_id is not None:
             run_id, self.run_id = self.run_id, None
             self.client.set_terminated(run_id, RunStatus.to_string(status))
+
+
+def error_line(error: BaseException) -> str:
+    """The failure in one line (another rank's: ``RankFailed: rank 1: ValueError: ...``)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}"
 
 
 def run_tags(run: dict[str, Any], run_dir: Path) -> dict[str, str]:

@@ -72,9 +72,11 @@ class WandbTracker:
             self._finish(exit_code=0)
 
     @hookimpl
-    def on_error(self) -> None:
-        """wandb: end the run as failed."""
+    def on_error(self, error: BaseException) -> None:
+        """wandb: end the run as failed, the failure's line in its summary's ``error`` (another rank's, when that one
+        failed first)."""
         if self.run is not None:
+            self.run.summary["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}"
             self._finish(exit_code=1)
 
     def _finish(self, exit_code: int) -> None:
