@@ -8,7 +8,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from titan_core.adamw import AdamWNarrowStates
-from titan_core.testing import TINY, compare, error_line, run_job
+from titan_core.launch.cluster import job_nodes
+from titan_core.launch.prepare import prepare
+from titan_core.testing import TINY, compare, compose, config_error, error_line, install_plugins, run_job
 
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # the parity harness's bounds
 
@@ -145,3 +147,41 @@ def test_one_device_trains_in_bfloat16_with_float32_weights(titan_reference, tmp
     assert 0 < report.max_loss_diff <= 1e-2, report
     assert report.max_param_diff <= 1e-2, report
     assert {tensor.dtype for tensor in result.final_weights().values()} == {torch.float32}
+
+
+# An optimizer plugin as docs/writing-plugins.md describes one: plain SGD over the core's parameter groups, honouring
+# the learning rate and weight decay it receives and saying so; the other declaring nothing.
+SGD_PLUGIN = '''
+import torch
+from titan_core import Declaration, hookimpl, param_groups
+
+
+@hookimpl
+def declare(plugin_config):
+    return Declaration(optimizer_options=frozenset(plugin_config.honours))
+
+
+@hookimpl
+def build_optimizer(model_parts, config, plan):
+    opt = config.optimizer
+    groups = param_groups(model_parts, plan.model, opt.lr, opt.weight_decay, opt.no_weight_decay, opt.lr_multipliers)
+    return torch.optim.SGD(groups, lr=opt.lr)
+'''
+
+
+def test_an_option_the_optimizer_plugin_does_not_honour_is_refused(tmp_path, monkeypatch):
+    """The core's optimizer.* options reach an optimizer plugin, which declares the ones it honours: another set
+    away from its default is refused before launch, naming it (an optimizer plugin once ignored betas, eps,
+    implementation and state_dtype silently); one it honours, or any left at its default, launches."""
+    install_plugins(tmp_path / "site", {"sgd": (SGD_PLUGIN, "honours: [lr, weight_decay, no_weight_decay, "
+                                                             "lr_multipliers]\n")}, "sgd-plugin")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    job = [*TINY, "+plugins=[sgd]"]
+    error = config_error(*job, "optimizer.betas=[0.8,0.9]")
+    assert error.field == "optimizer.betas" and "plugin 'sgd' builds the optimizer without it" in str(error)
+    assert "it honours optimizer.lr, optimizer.weight_decay, optimizer.no_weight_decay, optimizer.lr_multipliers" in str(
+        error)
+    assert config_error(*job, "optimizer.state_dtype=bfloat16").field == "optimizer.state_dtype"
+    prepare(compose(*job, "optimizer.lr=0.5", "optimizer.weight_decay=0.0"), job_nodes())  # honoured: launches
+    error = config_error(*job, "plugins.sgd.honours=[]", "optimizer.lr=0.5")
+    assert error.field == "optimizer.lr" and "(it honours none of them)" in str(error)

@@ -60,6 +60,7 @@ class Declaration:
     core's (``MESH_DIMS``) or one that ``dimensions`` defines (:class:`MeshDimension`). ``options`` names,
     for a dimension of ``mesh``, the plugin's option that sets its degree when it is not ``degree``: errors
     about that degree name it. ``provides`` and ``requires`` name capabilities (:mod:`titan_core.capabilities`).
+    ``optimizer_options``: of a plugin building the optimizer, the ``optimizer.*`` options it honours.
     """
 
     stage: int | None = None
@@ -68,6 +69,7 @@ class Declaration:
     requires: frozenset[str] = frozenset()
     dimensions: Mapping[str, MeshDimension] = field(default_factory=dict)
     options: Mapping[str, str] = field(default_factory=dict)
+    optimizer_options: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -104,9 +104,8 @@ def plugin_object(entry_point: EntryPoint) -> object:
 
 @dataclass(frozen=True, eq=False)
 class Room:
-    """Hooks beside the training contract, which a tool of the core calls and training never loads (the planner's
-    pricing): their specs, and for each plugin the objects implementing them, registered in ``group`` under the
-    plugin's name, plus what ``extra`` adds for a plugin object (pricing the core owns for a base class)."""
+    """Hooks beside the training contract that training never loads (the planner's): their specs, each plugin's
+    implementations (entry points of ``group`` by its name) and what ``extra`` adds for a plugin object."""
 
     hookspecs: ModuleType
     group: str
@@ -120,7 +119,6 @@ class Registry:
     def __init__(self, config, model_only: bool = False):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        self.registered: dict[str, object] = {}  # pluggy's name -> object
         self.belongs_to: dict[str, str] = {}  # pluggy's name -> the plugin it belongs to
         self.rooms: list[Room] = []
         self.model = model_name(config)
@@ -163,7 +161,7 @@ class Registry:
                               "compares by value, as @dataclass does)", "use @dataclass(eq=False), or no __eq__")
         try:
             self.pm.register(plugin, name=registered_name)
-            self.registered[registered_name], self.belongs_to[registered_name] = plugin, name
+            self.belongs_to[registered_name] = name
         except pluggy.PluginValidationError as error:
             raise ConfigError(self.field(name), f"plugin '{name}' does not fit the hook contract: {error}",
                               "fix the hook implementation's arguments (see titan_core.hookspecs)") from None
@@ -202,7 +200,7 @@ class Registry:
             return None
         key = (hook_name, plugin)
         if key not in self._callers:
-            others = [obj for name, obj in self.registered.items()
+            others = [obj for name, obj in self.pm.list_name_plugin()
                       if self.belongs_to[name] != plugin and obj is not self.objects[plugin]]
             self._callers[key] = self.pm.subset_hook_caller(hook_name, remove_plugins=others)
         answer = self._callers[key](**kwargs)

@@ -21,6 +21,7 @@ from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
 from titan_core.parameter_roles import check_param_group_rules
 from titan_core.plan import CP, TP, Plan
+from titan_core.job.schema import core_defaults
 from titan_core.plugins import Registry
 
 
@@ -161,6 +162,24 @@ def check_memory(config, plan: Plan, registry: Registry) -> None:
                           f"{memory / GIB:.1f} GiB of {where}",
                           "shorten training.seq_len or split it over more ranks (cp), or set "
                           "launch.check_memory=false to launch anyway")
+
+
+def check_optimizer_options(config, plan: Plan, registry: Registry) -> None:
+    """An optimizer plugin receives the core's ``optimizer.*`` options and honours those its declaration names
+    (``Declaration.optimizer_options``); one set away from the core's default that it does not honour is refused,
+    never ignored."""
+    owner = registry.owner("build_optimizer")
+    planned = {p.name: p.declaration for p in plan.plugins}
+    if owner not in planned:  # the core's AdamW honours every one
+        return
+    honoured, defaults = planned[owner].optimizer_options, core_defaults()["optimizer"]
+    for key, default in defaults.items():
+        value = OmegaConf.to_container(config.optimizer)[key]
+        if key not in honoured and value != default:
+            kept = ", ".join(f"optimizer.{k}" for k in defaults if k in honoured) or "none of them"
+            raise ConfigError(f"optimizer.{key}", f"is set to {value!r}, and plugin '{owner}' builds the optimizer "
+                              f"without it (it honours {kept})", f"remove the override of optimizer.{key}, or "
+                              f"use {owner}'s own options (docs)")
 
 
 def device_memory(configured_device: str | None) -> int:

@@ -21,6 +21,7 @@ from titan_muon.optimizer import MuonWithAdamW, NewtonSchulz
 FIELD = "plugins.muon"
 ADJUST_LR_RULES = ("original", "match_rms_adamw")
 MATRIX = "matrix"  # the parameter role Muon steps (docs/config.md)
+HONOURED = ("lr", "betas", "eps", "weight_decay", "no_weight_decay", "lr_multipliers", "implementation")
 
 
 def _positive(value) -> bool:
@@ -72,8 +73,9 @@ class MuonPlugin:
 
     @hookimpl
     def declare(self):
-        """muon: no model transform and no mesh dimension: an optimizer over whatever the plan built."""
-        return Declaration()
+        """muon: no model transform and no mesh dimension: an optimizer over whatever the plan built, taking the core's
+        optimizer options but state_dtype (its AdamW keeps float32 moments, Muon its momentum_dtype)."""
+        return Declaration(optimizer_options=frozenset(HONOURED))
 
     @hookimpl
     def validate(self, config, plugin_config):
