@@ -45,8 +45,8 @@ SOURCES = {
     "tt-h200": "TorchTitan's H200 report (Jun 2025)",
 }
 H100_FAMILY = "h100"  # the H100 profiles share their shares
-ASYNC_GRID = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
-TENSORWISE_GRID = (1.2, 1.35, 1.45, 1.57, 1.7, 1.85)
+ASYNC_GRID = (0.0, 0.25, 0.5, 0.75)
+TENSORWISE_GRID = (1.3, 1.45, 1.57, 1.7, 1.85)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,10 +14,12 @@ import shutil
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_core import ConfigError, HFAdapter, canonical_name, local_box, special_tokens, tokenizer_file
+from titan_core import (ConfigError, HFAdapter, canonical_name, load_tokenizer, local_box, model_description,
+                        special_tokens, tokenizer_file)
 
 FIELD = "plugins.checkpoint.load_path"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -86,6 +88,29 @@ def read_hf_config(folder: Path, adapter: HFAdapter) -> dict:
         raise ConfigError(FIELD, f"{path} is model_type '{config.get('model_type')}', not {expected}",
                           "import a model of the family model.name selects")
     return config
+
+
+# config.json fields that do not change what the model computes: a folder's context length is its own.
+CONTEXT_FIELDS = ("max_position_embeddings",)
+
+
+def check_folder_model(folder: Path, description, config) -> None:
+    """The folder's model is the job's: its config.json, read into options as a job starting from the folder reads
+    it, describes a model that exports the same config.json (but its context length). A preset that disagrees with
+    the folder on a value no tensor shape shows (rope_theta, an epsilon, a routing flag) would load the weights and
+    train them in another model without a word."""
+    options = description.hf.options_from_hf(read_hf_config(folder, description.hf))
+    start = OmegaConf.create({"model": options, "training": {"seq_len": config.training.seq_len}})
+    theirs = model_description(start, load_tokenizer(config.tokenizer).vocab_size).hf.config
+    ours = description.hf.config
+    differing = sorted((key for key in theirs.keys() | ours.keys()
+                        if key not in CONTEXT_FIELDS and theirs.get(key) != ours.get(key)),
+                       key=lambda key: (isinstance(theirs.get(key), dict), key))  # a plain value names it best
+    if differing:
+        key = differing[0]
+        raise ConfigError(FIELD, f"{folder / 'config.json'} has {key}={theirs.get(key)!r} where the job's model has "
+                          f"{ours.get(key)!r}", f"start from the folder with model=hf model.path={folder} (every "
+                          "option from it), or set the model's options to the folder's")
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
