@@ -185,3 +185,35 @@ def test_an_option_the_optimizer_plugin_does_not_honour_is_refused(tmp_path, mon
     prepare(compose(*job, "optimizer.lr=0.5", "optimizer.weight_decay=0.0"), job_nodes())  # honoured: launches
     error = config_error(*job, "plugins.sgd.honours=[]", "optimizer.lr=0.5")
     assert error.field == "optimizer.lr" and "(it honours none of them)" in str(error)
+
+
+FROZEN_FIRST_STAGE = '''
+from titan_core import hookimpl
+
+
+@hookimpl
+def convert_modules(model, plan):
+    for name in (*plan.model.inputs, f"{plan.model.blocks}.0", f"{plan.model.blocks}.1"):
+        model.get_submodule(name).requires_grad_(False)
+'''
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_with_nothing_to_train_steps_an_empty_optimizer(tmp_path):
+    """A conversion freezes the embeddings and the first two of four blocks: under pp 2 the first stage trains
+    nothing. Its optimizer steps one empty group (it once failed after launch: "optimizer got an empty parameter
+    list"), the run matches one process, and it saves and resumes like any other."""
+    env = install_plugins(tmp_path / "site", {"frozen": (FROZEN_FIRST_STAGE, "")}, "frozen-plugin")
+    job = [*TINY, "training.steps=4", "+plugins=[frozen]"]
+    reference = run_job(job, tmp_path / "one", env=env)
+    staged = [*job[:-1], "+plugins=[frozen,pp,checkpoint]", "plugins.pp.degree=2", "plugins.checkpoint.interval=2"]
+    whole = run_job(staged, tmp_path / "pp", env=env)
+    report = compare(whole, reference)
+    assert report.max_loss_diff <= 1e-5 and report.max_param_diff <= 1e-4, report
+    assert torch.equal(whole.final_weights()["layers.0.attention.wq.weight"],
+                       reference.final_weights()["layers.0.attention.wq.weight"])
+    first = run_job([*staged, "training.steps=2"], tmp_path / "resumed", env=env)
+    assert len(first.losses) == 2
+    resumed = run_job(staged, tmp_path / "resumed", env=env)
+    assert "continuing after step 2" in (tmp_path / "resumed" / "logs" / "rank0.log").read_text()
+    assert compare(resumed, whole).max_param_diff == 0.0

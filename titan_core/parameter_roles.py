@@ -47,10 +47,14 @@ def param_groups(model_parts: Sequence[nn.Module], description: ModelDescription
         for name, param in part.named_parameters():
             if param.requires_grad:
                 by_role[parameter_role(description, name, param)].append(param)
-    return [{"params": params, "role": role, "lr": lr * lr_multipliers.get(role, 1.0),
-             "lr_multiplier": float(lr_multipliers.get(role, 1.0)),
-             "weight_decay": 0.0 if role in no_weight_decay else weight_decay}
-            for role, params in by_role.items() if params]
+    groups = [{"params": params, "role": role, "lr": lr * lr_multipliers.get(role, 1.0),
+               "lr_multiplier": float(lr_multipliers.get(role, 1.0)),
+               "weight_decay": 0.0 if role in no_weight_decay else weight_decay}
+              for role, params in by_role.items() if params]
+    # A rank with nothing to train (a pipeline stage whose blocks a conversion froze) steps one empty group: its step
+    # does nothing, its state stays empty, and its learning rate is logged like the others'.
+    return groups or [{"params": [], "role": PARAMETER_ROLES[0], "lr": lr, "lr_multiplier": 1.0,
+                       "weight_decay": weight_decay}]
 
 
 def check_param_group_rules(no_weight_decay, lr_multipliers) -> None:
