@@ -42,11 +42,12 @@ def survivors(pids: set[int], seconds: float = 10) -> list[int]:
     return [pid for pid in pids if alive(pid)]
 
 
-def signalled_run(overrides: list[str], run_dir: Path, number: signal.Signals, after_step: int):
+def signalled_run(overrides: list[str], run_dir: Path, number: signal.Signals, after_step: int, cwd: Path | None = None):
     """Start the job, send ``number`` to the launcher once ``after_step`` is logged; the finished process and the
-    processes it had started."""
-    command = [sys.executable, "-m", "titan_core.run", *merged(overrides), f"hydra.run.dir={run_dir}"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processes it had started. With ``cwd``, the command names no run dir: ``run_dir`` is where it goes by default."""
+    command = [sys.executable, "-m", "titan_core.run", *merged(overrides),
+               *([] if cwd else [f"hydra.run.dir={run_dir}"])]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after_step):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -73,7 +74,7 @@ def test_a_signal_saves_and_the_same_command_resumes_equal(tmp_path, number, plu
     stopped = int(lines[0].split("after step ")[1].split()[0])
     assert 3 <= stopped < STEPS
     assert f"saved {run_dir / 'checkpoints' / f'step-{stopped}'}; run the same command again to resume" in lines[0]
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and "stopped by" not in stdout  # one line on the console
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{stopped}"]  # no .partial left
     assert survivors(started) == []  # no worker outlives the launcher
 
@@ -84,9 +85,33 @@ def test_a_signal_saves_and_the_same_command_resumes_equal(tmp_path, number, plu
     assert report.max_loss_diff == 0 and report.max_param_diff == 0, report
 
 
+@pytest.mark.slow
+def test_ctrl_c_then_the_literal_same_command_resumes_and_another_option_starts_anew(tmp_path):
+    """No run dir on the command line: the run dir is named by the job's overrides (but training.steps), so the
+    literal same command finds the saved step and resumes; a changed option is another run, in a folder of its own."""
+    job = [*TINY, f"training.steps={STEPS}", "+plugins=[checkpoint]", "plugins.checkpoint.interval=0"]
+    named = [line for line in subprocess.run([sys.executable, "-m", "titan_core.run", *merged(job),
+                                              "launch.dry_run=true"], capture_output=True, text=True, cwd=tmp_path,
+                                             timeout=300).stdout.splitlines() if line.startswith("titan-core: run dir")]
+    default = Path(named[0].removeprefix("titan-core: run dir "))
+    assert default.parent == tmp_path / "outputs" and default.name.startswith("+plugins=_checkpoint_"), default
+    process, stdout, stderr, _ = signalled_run(job, default, signal.SIGINT, after_step=3, cwd=tmp_path)
+    assert process.returncode == 130 and f"titan-core: run dir {default}" in stdout, stdout + stderr
+    stopped = int(stderr.split("after step ")[1].split()[0])
+    again = subprocess.run([sys.executable, "-m", "titan_core.run", *merged(job)], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=300)
+    assert again.returncode == 0 and f"titan-core: run dir {default}" in again.stdout
+    assert f"continuing after step {stopped}" in again.stdout
+    other = subprocess.run([sys.executable, "-m", "titan_core.run", *merged(job), "optimizer.lr=2e-3",
+                            "training.steps=2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert other.returncode == 0 and "continuing after step" not in other.stdout
+    assert f"titan-core: run dir {default}" not in other.stdout
+
+
 def test_without_a_checkpoint_plugin_the_line_says_nothing_was_saved(tmp_path):
     process, _, stderr, _ = signalled_run([*TINY, f"training.steps={STEPS}"], tmp_path / "run", signal.SIGTERM,
                                           after_step=2)
     assert process.returncode == 143
-    assert "nothing saved (no checkpoint plugin)" in stderr and "Traceback" not in stderr
+    assert "nothing saved (no checkpoint plugin): the same command starts again from step 1" in stderr
+    assert "Traceback" not in stderr and "to resume" not in stderr
     assert os.path.exists(tmp_path / "run" / "metrics.jsonl")

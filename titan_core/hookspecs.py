@@ -2,9 +2,8 @@
 
 A plugin is a module, an instance, or a class (or factory) that the core calls with no arguments once per
 run, registered under the entry-point group ``titan_core.plugins`` (models: ``titan_core.models``). It
-implements any subset of the hooks below with ``@titan_core.hookimpl``, taking any subset of a hook's
-arguments by name. A plugin object with ``state_dict()``/``load_state_dict()``
-(:class:`titan_core.Stateful`) has that state checkpointed with the training state.
+implements any subset of the hooks below with ``@titan_core.hookimpl``, taking any subset of a hook's arguments
+by name; a plugin object with ``state_dict()``/``load_state_dict()`` has that state checkpointed (``Stateful``).
 
 Who is called, and how the answers combine:
 

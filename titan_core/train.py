@@ -216,11 +216,12 @@ class Trainer:
         hooks.each("on_train_end", state=state, preempted=stopped is not None, run_dir=self.run_dir,
                    config=config)
         if stopped is not None:
-            what = f"saved {saved}" if saved is not None else "nothing saved (no checkpoint plugin)"
-            log.info("stopped by %s after step %d of %d: %s", stopped.name, state.step, steps, what)
+            what = (f"saved {saved}; run the same command again to resume" if saved is not None else
+                    "nothing saved (no checkpoint plugin): the same command starts again from step 1")
+            line = f"stopped by {stopped.name} after step {state.step} of {steps}: {what}"
+            log.info(line, extra={"console": False})  # rank 0's console gets the one line below
             if self.rank == 0:
-                print(f"titan-core: stopped by {stopped.name} after step {state.step} of {steps}: {what}; run the "
-                      "same command again to resume", file=sys.stderr, flush=True)
+                print(f"titan-core: {line}", file=sys.stderr, flush=True)
             return stopped
         log.info("finished step %d", state.step)
         if config.testing.save_final_weights:

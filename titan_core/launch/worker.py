@@ -232,7 +232,8 @@ def _configure_logging(run_dir: Path, rank: int, crash_line: bool) -> None:
     handlers: list[logging.Handler] = [rank_file]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
-        handlers[-1].addFilter(lambda record: not record.exc_info)  # tracebacks stay in the file
+        # Tracebacks stay in the file, and so do records the console gets a line of its own for.
+        handlers[-1].addFilter(lambda record: not record.exc_info and getattr(record, "console", True))
     for handler in handlers:
         handler.setFormatter(fmt)
         logger.addHandler(handler)
