@@ -153,6 +153,7 @@ def prepare(args: argparse.Namespace, config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Tokenize a corpus once into shards that data.source=tokens reads per rank."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the worker processes are the parallelism
     logging.getLogger("datasets").setLevel(logging.ERROR)
     try:

@@ -178,6 +178,7 @@ def _agent_logs_to(path: Path) -> None:
 
 
 def main() -> None:
+    """Train: compose the config from the overrides, check the plan, then run its workers."""
     try:
         check_command_line(sys.argv[1:])
     except ConfigError as error:

@@ -143,6 +143,7 @@ def recommendations(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Plan a job before launch: memory per rank, step time and tokens/s on a given accelerator."""
     try:
         print(plan_costs(sys.argv[1:] if argv is None else argv))
     except ConfigError as error:

@@ -179,6 +179,7 @@ def plot(runs: list[Run], file: Path, metrics: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Compare runs or a sweep side by side: losses, speed, what differs; --plot, --assert-equal."""
     parser = argparse.ArgumentParser(prog="python -m titan_core.compare", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run dirs or Hydra multirun folders")
     parser.add_argument("--plot", type=Path, help="write the metrics' curves to this PNG file, a panel each")

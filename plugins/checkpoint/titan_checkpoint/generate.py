@@ -72,6 +72,7 @@ def greedy(model, tokens: list[int], new_tokens: int, eos_id: int) -> tuple[list
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Generate text from a checkpoint or a Hugging Face folder."""
     parser = argparse.ArgumentParser(prog="python -m titan_checkpoint.generate", description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path, help="a step-N or weights-step-N checkpoint, or a Hugging Face folder")
     prompt = parser.add_mutually_exclusive_group(required=True)

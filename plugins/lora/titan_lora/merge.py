@@ -76,6 +76,7 @@ def merge(base: Path, adapter: Path, out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Merge a PEFT LoRA adapter into its base model's Hugging Face folder."""
     parser = argparse.ArgumentParser(prog="python -m titan_lora.merge", description=__doc__.splitlines()[0])
     parser.add_argument("base", type=Path, help="the base model's Hugging Face folder")
     parser.add_argument("adapter", type=Path, help="a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
