@@ -162,3 +162,17 @@ def test_two_installed_models_reading_one_folder_are_refused_until_one_is_named(
             "model.name=qwen3") in error_line(refused)
     chosen = run_job([*job, "model.name=qwen3"], tmp_path / "chosen", env=env)
     assert "model qwen3" in chosen.stdout
+
+
+def test_a_tokenizer_larger_than_the_folders_vocabulary_is_refused_with_a_fix_that_works(folders, tmp_path):
+    """A folder's model fixes its vocabulary: the refusal asks for a tokenizer that fits (not model.vocab_size=null,
+    which Hydra refuses under model=hf), and the job so fixed gets past it."""
+    small = shutil.copytree(folders["qwen3"], tmp_path / "small")
+    settings = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**settings, "vocab_size": 1000}))
+    job = ["model=hf", f"model.path={small}", "+plugins=[checkpoint]"]
+    error = config_error(*job)
+    assert str(error).startswith("model.vocab_size: 1000 is smaller than the tokenizer's")
+    assert str(error).endswith("fix: take the folder's tokenizer (tokenizer.path=builtin) or one of at most 1000 ids")
+    fixed = config_error(*job, "tokenizer.path=bytes")  # 264 ids: past the vocabulary, on to the weights' shapes
+    assert fixed.field == "plugins.checkpoint.load_path" and "[2048, 64] in" in str(fixed)

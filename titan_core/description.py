@@ -205,16 +205,17 @@ def replace(root: nn.Module, path: str, module: nn.Module | None) -> None:
 
 def read_options(model_config, known, family: str, tokenizer_vocab_size: int) -> dict:
     """A model's options from ``config.model``: unknown fields refused (one line naming the field; ``name`` and
-    ``path`` are the core's), and
-    ``vocab_size`` null taking the tokenizer's size, never smaller than it."""
+    ``path`` are the core's), and ``vocab_size`` null taking the tokenizer's size, never smaller than it."""
     unknown = sorted(set(model_config) - set(known) - {"name", "path"})
     if unknown:
         raise ConfigError(f"model.{unknown[0]}", f"is not a {family} option", f"use one of {', '.join(sorted(known))}")
     options = {k: v for k, v in model_config.items() if k in known}
     options["vocab_size"] = options.get("vocab_size") or tokenizer_vocab_size
-    if options["vocab_size"] < tokenizer_vocab_size:
+    if options["vocab_size"] < tokenizer_vocab_size:  # a folder's model (model.path) fixes its vocabulary
+        fix = (f"take the folder's tokenizer (tokenizer.path=builtin) or one of at most {options['vocab_size']} ids"
+               if model_config.get("path") else "set model.vocab_size=null to take the tokenizer's size")
         raise ConfigError("model.vocab_size", f"{options['vocab_size']} is smaller than the tokenizer's "
-                          f"{tokenizer_vocab_size}", "set model.vocab_size=null to take the tokenizer's size")
+                          f"{tokenizer_vocab_size}", fix)
     return options
 
 

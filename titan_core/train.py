@@ -213,8 +213,7 @@ class Trainer:
             hooks.first("save_checkpoint", state=state, step=state.step, config=config, final=True, preempted=False,
                         check_finite=self.finite.check)
         self.metrics.close()
-        hooks.each("on_train_end", state=state, preempted=stopped is not None, run_dir=self.run_dir,
-                   config=config)
+        hooks.each("on_train_end", state=state, preempted=stopped is not None, run_dir=self.run_dir, config=config)
         if stopped is not None:
             what = (f"saved {saved}; run the same command again to resume" if saved is not None else
                     "nothing saved (no checkpoint plugin): the same command starts again from step 1")
