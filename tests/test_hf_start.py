@@ -176,3 +176,25 @@ def test_a_tokenizer_larger_than_the_folders_vocabulary_is_refused_with_a_fix_th
     assert str(error).endswith("fix: take the folder's tokenizer (tokenizer.path=builtin) or one of at most 1000 ids")
     fixed = config_error(*job, "tokenizer.path=bytes")  # 264 ids: past the vocabulary, on to the weights' shapes
     assert fixed.field == "plugins.checkpoint.load_path" and "[2048, 64] in" in str(fixed)
+
+
+def test_generate_refuses_bad_input_in_one_line(folders, tmp_path):
+    """Every mistake on generate's command line is one line naming the argument, exit 2, before any model loads:
+    no argparse usage, no traceback, no text generated from nothing."""
+    folder = str(folders["qwen3"])
+    bare_checkpoint = tmp_path / "run" / "checkpoints" / "step-1"
+    bare_checkpoint.mkdir(parents=True)
+    (bare_checkpoint / ".metadata").write_bytes(b"")
+    cases = [([str(tmp_path / "nowhere"), "--text", "hi"], "model: "),
+             ([folder, "--text", ""], "--text: is empty"),
+             ([folder, "--text", "hi", "--new-tokens", "-1"], "--new-tokens: -1 is negative"),
+             ([folder, "--token-ids", ""], "--token-ids: '' is not comma-separated integers"),
+             ([folder, "--token-ids", "1,99999"], "--token-ids: 99999 is not an id of the tokenizer"),
+             ([folder, "--text", "hi", "--logits", str(tmp_path / "missing" / "l.pt")], "--logits: "),
+             ([str(bare_checkpoint), "--text", "hi"], "--config: ")]
+    for args, said in cases:
+        done = subprocess.run([sys.executable, "-m", "titan_checkpoint.generate", *args], capture_output=True,
+                              text=True, timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (args, done.stderr)
+        assert lines[0].startswith(f"titan-checkpoint: error: {said}"), (args, lines)

@@ -12,6 +12,7 @@ Every step recomputes the whole sequence (no cache): this is for a look after fi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -82,20 +83,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logits", type=Path, help="save the prompt's logits to this torch file")
     parser.add_argument("--config", type=Path, help="a checkpoint's run config.yaml (default: two folders up)")
     args = parser.parse_args(argv)
-    if not is_hf_folder(args.model) and not (args.model / ".metadata").is_file():
-        parser.error(f"{args.model} is neither a checkpoint (.metadata) nor a Hugging Face folder (config.json)")
     try:
+        check_arguments(args)
         config = job_config(args.model, args.config)
         tokenizer = load_tokenizer(config.tokenizer)
-        ids = ([int(i) for i in args.token_ids.split(",")] if args.token_ids else
-               [tokenizer.bos_id, *tokenizer.encode(args.text)])
+        ids = prompt_ids(args, tokenizer)
         config.training.seq_len = len(ids) + args.new_tokens  # the rows of the position tables
         chosen, prompt_logits = greedy(load_model(args.model, config), ids, args.new_tokens, tokenizer.eos_id)
-    except ConfigError as error:
-        sys.exit(f"titan-checkpoint: error: {error}")
+    except ConfigError as error:  # bad input, found before anything is generated: one line, exit 2
+        print(f"titan-checkpoint: error: {error}", file=sys.stderr)
+        sys.exit(2)
     if args.logits is not None:
         torch.save(prompt_logits[0], args.logits)
     print(tokenizer.decode(chosen))
+
+
+def check_arguments(args) -> None:
+    """What the command line alone can tell is wrong, each named with its fix."""
+    if not is_hf_folder(args.model) and not (args.model / ".metadata").is_file():
+        raise ConfigError("model", f"{args.model} is neither a checkpoint (.metadata) nor a Hugging Face folder "
+                          "(config.json)", "give a step-N or weights-step-N folder, or a Hugging Face folder")
+    if args.new_tokens < 0:
+        raise ConfigError("--new-tokens", f"{args.new_tokens} is negative", "give 0 or more")
+    if args.text is not None and not args.text.strip():
+        raise ConfigError("--text", "is empty: the model would continue from nothing", "give the prompt's text")
+    if args.logits is not None and (args.logits.is_dir() or not os.access(args.logits.parent.resolve(), os.W_OK)):
+        raise ConfigError("--logits", f"{args.logits} cannot be written", "give a file path in a writable folder")
+
+
+def prompt_ids(args, tokenizer) -> list[int]:
+    """The prompt as token ids: ``--token-ids`` as given, or the text after the begin-of-text token."""
+    if args.token_ids is None:
+        return [tokenizer.bos_id, *tokenizer.encode(args.text)]
+    try:
+        ids = [int(i) for i in args.token_ids.split(",")]
+    except ValueError:
+        raise ConfigError("--token-ids", f"{args.token_ids!r} is not comma-separated integers", "give e.g. 1,2,3")
+    wrong = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+    if wrong:
+        raise ConfigError("--token-ids", f"{wrong[0]} is not an id of the tokenizer (0 to {tokenizer.vocab_size - 1})",
+                          "give ids the tokenizer has")
+    return ids
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_not_the_froze
     assert held * 10 < base
     looked = subprocess.run([sys.executable, "-m", "titan_checkpoint.generate", str(folder), "--text", "hi"],
                             capture_output=True, text=True)
-    assert looked.returncode == 1 and "does not hold the weights of model 'qwen3'" in looked.stderr
+    assert looked.returncode == 2 and "does not hold the weights of model 'qwen3'" in looked.stderr
 
 
 @pytest.mark.slow
