@@ -189,3 +189,26 @@ def test_non_editable_install_runs_with_its_packaged_configs(tmp_path):
     assert completed.stdout.startswith(str(tmp_path / "site")), completed.stdout + completed.stderr
     result = run_job([*TINY, "training.steps=2", "+plugins=[fsdp]", "plugins.fsdp.degree=2"], workdir / "run", env=env)
     assert len(result.losses) == 2
+
+
+def test_the_first_lines_say_what_is_on(tmp_path):
+    """The precision and who decides it, the schedule, the optimizer and its groups; a warm-up longer than the run and
+    a one-step wsd decay are each a warning with the fix, which applied silences it."""
+    result = run_job([*TINY, "training.steps=4", "lr_scheduler.warmup_steps=6", "lr_scheduler.decay=wsd",
+                      "lr_scheduler.decay_steps=1"], tmp_path / "run")
+    lines = result.stdout.splitlines()
+    assert "titan-core: precision: float32, no autocast (training.compute_dtype=null: the device's default)" in lines
+    assert ("titan-core: schedule: warm-up 6 steps to 0.001, then stable until step 3, then a linear decay over the "
+            "last 1 to 0.0001 (lr_scheduler.*)") in lines
+    warnings = [line for line in lines if line.startswith("titan-core: warning:")]
+    assert warnings == [
+        "titan-core: warning: lr_scheduler.warmup_steps=6 is longer than the run's 4 steps: the learning rate never "
+        "reaches optimizer.lr; fix: set lr_scheduler.warmup_steps=4 or less",
+        "titan-core: warning: the wsd decay lasts 1 step of 4: the rate drops to its floor at once; fix: set "
+        "lr_scheduler.decay_steps to a fifth or so of training.steps"]
+    optimizer = next(line for line in lines if "optimizer: " in line)
+    assert "optimizer: AdamW (the core's): matrix (" in optimizer and "lr 0.001, weight decay 0)" in optimizer
+    fixed = run_job([*TINY, "training.steps=4", "lr_scheduler.warmup_steps=4", "lr_scheduler.decay=wsd",
+                     "lr_scheduler.decay_steps=2", "training.compute_dtype=bfloat16"], tmp_path / "fixed")
+    assert not [line for line in fixed.stdout.splitlines() if "warning:" in line]
+    assert "titan-core: precision: bfloat16 autocast over float32 weights (training.compute_dtype)" in fixed.stdout

@@ -33,6 +33,7 @@ from titan_core.job.run_dir import under_torchrun
 from titan_core.launch.cluster import Nodes, job_nodes, workers_per_node
 from titan_core.launch.prepare import prepare
 from titan_core.launch.provenance import write_run_record
+from titan_core.launch.summary import run_lines
 from titan_core.launch.worker import native_crash, rank_log, train, worker_main
 from titan_core.preemption import exit_code
 
@@ -62,7 +63,7 @@ def hydra_main(config) -> None:
     config = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     if nodes.index == 0:
         print(f"titan-core: run dir {run_dir.resolve()}", flush=True)
-        print(plan.describe(), flush=True)
+        print(plan.describe(), *run_lines(config, plan), sep="\n", flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(config, run_dir / "config.yaml")
         write_run_record(run_dir, HydraConfig.get().overrides.task, plan, config.model.name, nodes.count)

@@ -27,7 +27,8 @@ from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, Storage
 from titan_core.launch.crash_line import start_crash_line
 from titan_core.launch.provenance import read_run_record
 from titan_core.mesh import cpu_threads, device_for_rank
-from titan_core.plugins import Hooks, Registry, build_plan
+from titan_core.launch.summary import optimizer_line
+from titan_core.plugins import CORE, Hooks, Registry, build_plan
 from titan_core.preemption import StopSignals, exit_code
 from titan_core.train import Trainer
 
@@ -72,6 +73,8 @@ def train(config, run_dir: Path, own_crash_line: bool = False) -> signal.Signals
             plan = build_plan(config, registry, world_size, tokenizer.vocab_size, validate=False)  # checked before
             hooks = Hooks(registry, plan, config)
             trainer = Trainer(config, run_dir, hooks, tokenizer, device, rank)
+            builder = hooks.registry.owner("build_optimizer")
+            log.info(optimizer_line(trainer.step.optimizer, "the core's" if builder == CORE else f"plugin {builder}"))
             if rank == 0:
                 hooks.each("start_tracking", run_dir=run_dir, run=read_run_record(run_dir),
                            first_step=trainer.state.step + 1, config=config)
