@@ -44,7 +44,12 @@ def test_throughput_leaves_out_validation_and_saves_and_the_eta_follows_the_rece
     assert logged[-1]["tokens_per_s"] == pytest.approx(8 * 32 / 1.0)
     # After 60 steps: 40 left at the last five intervals' pace (1 s a step); the slow start has left the window
     # (over the whole run it would say 40 x 2.5 s).
-    assert caplog.records[-1].getMessage().endswith("| eta 0m40s")
+    assert caplog.records[-1].getMessage().endswith("| eta 0m40s (at the last 50 steps' pace)")
+    # Output that is no terminal gets a line at least every metrics.progress_every_s (60 s) between logged steps:
+    # the sixth step of the slow start, nothing logged for a minute.
+    progress = [line for line in (r.getMessage() for r in caplog.records)
+                if line.startswith("step ") and "loss" not in line]
+    assert progress == ["step 6/100 | eta 15m40s (at the last 6 steps' pace)"]
     logger.close()
 
 

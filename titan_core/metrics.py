@@ -105,6 +105,7 @@ class MetricsLogger:
     def __init__(self, config, run_dir: Path, rank: int, world_size: int, device: torch.device,
                  flops_per_token: float, first_step: int):
         self.every = config.metrics.log_every
+        self.progress_every_s = config.metrics.progress_every_s
         self.validate_every = config.validation.every
         self.steps = config.training.steps
         self.tokens_per_step = config.training.global_batch_size * config.training.seq_len
@@ -126,6 +127,7 @@ class MetricsLogger:
         self.first_step = first_step
         self.last = time.perf_counter()
         self.last_step = first_step
+        self.last_line = self.last  # when rank 0 last printed a line of progress
         self.aside = {"validation": 0.0, "checkpoint": 0.0}  # seconds since the last log spent off the steps
         self.recent: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW)  # (steps, seconds) of the last logs
         self.window: dict[int, torch.Tensor | None] = {}  # each step's mean loss on this rank, since the last log
@@ -161,6 +163,10 @@ class MetricsLogger:
         self.window[step] = loss
         if self.bar is not None:
             self.bar.update(1)
+        elif self.writes and time.perf_counter() - self.last_line >= self.progress_every_s and not self.logs(step):
+            # Nobody watches a terminal: say where the run is between logged steps that are far apart.
+            log.info("step %d/%d | eta %s", step, self.steps, self._eta(step, time.perf_counter()))
+            self.last_line = time.perf_counter()
 
     def log(self, step: int, grad_norm: float, lr: float, extra: dict) -> dict:
         """Log ``step`` (called on every rank: the losses are reduced over the ranks); returns the values.
@@ -194,16 +200,23 @@ class MetricsLogger:
         self.last, self.last_step = now, step
         self.aside = dict.fromkeys(self.aside, 0.0)
         if self.writes:
-            # The steps' recent pace: the first steps (compilation, warm-up) and a load that came and went weigh
-            # only while they are recent.
-            pace = sum(seconds for _, seconds in self.recent) / sum(steps for steps, _ in self.recent)
-            self._write(metrics, eta_s=pace * (self.steps - step))
+            self._write(metrics, eta=self._eta(step, now))
+            self.last_line = time.perf_counter()
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s_per_device']:.0f} "
                                      "tok/s/device")
         return metrics
 
-    def _write(self, m: dict, eta_s: float) -> None:
+    def _eta(self, step: int, now: float) -> str:
+        """The time left at the recent steps' pace, and its basis: the last logged intervals (the first steps'
+        compilation and warm-up, or a load that came and went, weigh only while recent), and the steps since."""
+        steps = sum(count for count, _ in self.recent) + step - self.last_step
+        seconds = sum(seconds for _, seconds in self.recent) + max(now - self.last - sum(self.aside.values()), 0.0)
+        if steps <= 0:
+            return "unknown yet"
+        return f"{_duration(seconds / steps * (self.steps - step))} (at the last {steps} steps' pace)"
+
+    def _write(self, m: dict, eta: str) -> None:
         mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
         # Per device first, as published tables quote it (TPS/GPU); the job's total beside it.
         average = f" (avg {m['loss_avg']:.4f})" if "loss_avg" in m else ""
@@ -213,7 +226,7 @@ class MetricsLogger:
         log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total) | "
                  "%.3g TFLOPS/device%s | mem %.2f GiB%s | eta %s",
                  m["step"], self.steps, m["loss"], average, m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
-                 m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], extra, _duration(eta_s))
+                 m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], extra, eta)
         assert self.jsonl is not None, "only the rank that writes logs, and it opened metrics.jsonl"
         self.jsonl.write(json.dumps(m) + "\n")
         self.jsonl.flush()
