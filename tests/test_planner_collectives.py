@@ -23,6 +23,16 @@ SMALL, DISTRIBUTED, TP_NO_SP = cases.SMALL, cases.DISTRIBUTED, cases.TP_NO_SP
 tracked_rank, _estimate, _on_rank0 = cases.tracked_rank, cases._estimate, cases._on_rank0
 
 
+def assert_issued_as_planned(world: int, tmp_path, overrides, result) -> None:
+    """Every rank of a real world of ``world`` counts the collective calls it issues: each equals the plan's."""
+    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(world), str(tmp_path), "--calls", *overrides],
+                           timeout=300, capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    for rank in range(world):
+        issued = json.loads((tmp_path / f"rank{rank}.json").read_text())["calls"]
+        assert sum(result.collective_calls(c) for c in result.collectives) == issued, (rank, issued)
+
+
 def test_each_plugin_changes_what_its_technique_changes():
     *_, alone = _estimate()
     *_, sharded = _estimate("+plugins=[fsdp]", "plugins.fsdp.degree=4", "launch.world_size=4")
@@ -177,12 +187,7 @@ def test_expert_parallel_calls_are_those_its_ranks_issue(world, ac, repeated, tm
     config, registry, plan, result = _estimate(*overrides)
     [all_to_all] = [c for c in result.collectives if c.plugin == "ep"]
     assert result.collective_calls(all_to_all) == (5 * 4 + 3 * repeated) * result.microbatches_per_step()
-    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(world), str(tmp_path), "--calls", *overrides],
-                           timeout=300, capture_output=True, text=True)
-    assert ranks.returncode == 0, ranks.stderr[-3000:]
-    for rank in range(world):
-        issued = json.loads((tmp_path / f"rank{rank}.json").read_text())["calls"]
-        assert sum(result.collective_calls(c) for c in result.collectives) == issued, (rank, issued)
+    assert_issued_as_planned(world, tmp_path, overrides, result)
 
 
 @pytest.mark.slow
@@ -203,12 +208,7 @@ def test_context_parallel_calls_are_those_its_ranks_issue(world, overrides, tmp_
     besides."""
     overrides = (*SMALL, "launch.device=cpu", f"launch.world_size={world}", *overrides)
     config, registry, plan, result = _estimate(*overrides)
-    ranks = subprocess.run([sys.executable, tracked_rank.__file__, str(world), str(tmp_path), "--calls", *overrides],
-                           timeout=300, capture_output=True, text=True)
-    assert ranks.returncode == 0, ranks.stderr[-3000:]
-    for rank in range(world):
-        issued = json.loads((tmp_path / f"rank{rank}.json").read_text())["calls"]
-        assert sum(result.collective_calls(c) for c in result.collectives) == issued, (rank, issued)
+    assert_issued_as_planned(world, tmp_path, overrides, result)
 
 
 def test_an_optimizer_plugin_is_counted_with_its_state_its_work_and_its_collectives():
