@@ -20,6 +20,7 @@ BAD = {
     "lr_scheduler.warmup_steps": "2.5",
     "lr_scheduler.min_lr_ratio": "1.5",
     "metrics.log_every": "0",
+    "metrics.progress_every_s": "-1",
     "metrics.peak_tflops": "nan",
     "metrics.profile_steps": "[3,2]",
     "validation.every": "-2",

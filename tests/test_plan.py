@@ -1,6 +1,7 @@
 """The plan: order, conflicts and every kind of bad input, each refused in the launcher with exit code 2 (tables
 of bad values are checked in this process, where the launcher finds them: a launch costs seconds a row)."""
 
+import itertools
 import re
 
 from titan_core.testing import TINY, config_error, error_line, run_job
@@ -9,10 +10,9 @@ DRY = [*TINY, "launch.dry_run=true"]
 
 
 def plan_lines(result) -> list[str]:
-    """The plan's lines, without the estimate after them (measured on this machine, so it varies)."""
-    start = result.stdout.index("titan-core plan:")
-    end = result.stdout.find("titan-core estimate:", start)
-    return result.stdout[start:end if end >= 0 else None].strip().splitlines()
+    """The plan's lines, without what follows them (what is on, and the estimate, measured on this machine)."""
+    lines = result.stdout[result.stdout.index("titan-core plan:"):].splitlines()
+    return [lines[0], *itertools.takewhile(lambda line: line.startswith("  "), lines[1:])]
 
 
 def test_order_is_stage_then_name_whatever_the_command_line_order(tmp_path, fake_plugins):

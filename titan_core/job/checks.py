@@ -48,6 +48,7 @@ NUMBERS = (
     ("lr_scheduler.warmup_steps", lambda v: _count(v) and v >= 0, "an integer >= 0"),
     ("lr_scheduler.min_lr_ratio", lambda v: _number(v) and 0 <= v <= 1, "a number from 0 to 1"),
     ("metrics.log_every", lambda v: _count(v) and v >= 1, "a positive integer"),
+    ("metrics.progress_every_s", lambda v: _number(v) and v > 0, "a positive number of seconds"),
     ("validation.every", lambda v: _count(v) and v >= 0, "an integer >= 0 (0: no validation)"),
     ("validation.batches", lambda v: _count(v) and v >= 1, "a positive integer"),
     ("data.prefetch", lambda v: _count(v) and v >= 0, "an integer >= 0 (0: each batch made in the step)"),
