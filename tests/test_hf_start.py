@@ -198,3 +198,17 @@ def test_generate_refuses_bad_input_in_one_line(folders, tmp_path):
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, (args, done.stderr)
         assert lines[0].startswith(f"titan-checkpoint: error: {said}"), (args, lines)
+
+
+def test_model_path_naming_a_file_or_a_hub_id_says_what_to_do(folders, tmp_path, monkeypatch):
+    """model.path at a folder's config.json names the folder to use instead (and the job so fixed gets further);
+    a hub id, which titan-core does not download, says how to get the folder."""
+    monkeypatch.chdir(tmp_path)
+    folder = folders["qwen3"]
+    error = config_error("model=hf", f"model.path={folder / 'config.json'}")
+    assert str(error) == (f"model.path: {folder / 'config.json'} is a file, not a Hugging Face model folder; fix: set "
+                          f"model.path={folder}")
+    assert "would train from random weights" in str(config_error("model=hf", f"model.path={folder}"))
+    error = config_error("model=hf", "model.path=Qwen/Qwen3-0.6B")
+    assert error.field == "model.path" and "titan-core reads no hub id from the network" in str(error)
+    assert "huggingface-cli download Qwen/Qwen3-0.6B --local-dir <folder>" in str(error)

@@ -10,6 +10,7 @@ by the plugin that loads checkpoints; a job without one would train from random 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pluggy
@@ -22,6 +23,7 @@ from titan_core.job.schema import core_defaults
 from titan_core.plugins import Registry, installed_models, model_name, plugin_object
 
 FIELD = "model.path"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # organisation/name, as a hub names a model
 CORE_KEYS = ("name", "path")  # the model section's keys that are the core's, not the family's
 
 
@@ -61,6 +63,14 @@ def folder_config(folder: str | Path, seq_len: int) -> DictConfig:
 
 def read_config_json(folder: Path) -> dict:
     file = folder / "config.json"
+    if folder.is_file():
+        raise ConfigError(FIELD, f"{folder} is a file, not a Hugging Face model folder",
+                          f"set model.path={folder.parent}" if folder.name == "config.json" else
+                          "point model.path at the folder holding config.json and the weights")
+    if not folder.exists() and HUB_ID.fullmatch(str(folder)):
+        raise ConfigError(FIELD, f"{folder} is not a folder here, and titan-core reads no hub id from the network",
+                          f"download it first (huggingface-cli download {folder} --local-dir <folder>), then set "
+                          "model.path=<folder>")
     if not file.is_file():
         raise ConfigError(FIELD, f"{folder} has no config.json", "point model.path at a Hugging Face model folder")
     try:
