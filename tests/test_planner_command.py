@@ -55,6 +55,7 @@ def test_bad_input_is_one_line_naming_the_field(args, field, words):
     (["--calibrate", "mine.yaml", "--recommend"], "cannot be given with --recommend"),
     (["--calibrate", "mine.yaml", "model=tiny", "training.seq_len=64"], "too little to measure"),  # the host dominates
     (["--calibrate"], "needs a value"),
+    (["--calibrate", "a-file/mine.yaml"], "cannot write a-file/mine.yaml"),  # checked first, not after the probe
 ])
 def test_a_calibration_that_cannot_measure_is_refused_before_the_probe_runs(args, words, tmp_path, monkeypatch):
     from titan_core.planner import calibrate
@@ -62,6 +63,7 @@ def test_a_calibration_that_cannot_measure_is_refused_before_the_probe_runs(args
 
     monkeypatch.setattr(calibrate, "_median_step_seconds", lambda probe: pytest.fail("the probe ran"))
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")  # a file where the profile's folder should be
     with pytest.raises(ConfigError) as error:
         plan_costs(args)
     assert error.value.field == "--calibrate" and words in str(error.value)

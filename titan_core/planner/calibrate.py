@@ -45,6 +45,7 @@ def calibrate(out: Path, base_name: str | None, overrides: list[str]) -> str:
     if out.suffix not in (".yaml", ".yml"):
         raise ConfigError("--calibrate", f"{out} is not a .yaml file", "give the path of the profile to write, e.g. "
                           "--calibrate mygpu.yaml")
+    _check_writable(out)  # before the probe's minutes, not after
     kind = device_kind(None)
     base = _base_profile(base_name, kind)
     # The defaults, each replaced by an override of the same key.
@@ -72,6 +73,16 @@ def calibrate(out: Path, base_name: str | None, overrides: list[str]) -> str:
     return (f"titan-core: the probe ({' '.join(job)}) took {measured:.4g} s a step on "
             f"{kind} (median after {WARMUP_STEPS} warm-up steps), planned {seconds['step']:.4g} s on "
             f"{base.name}; wrote {out} (achievable {base.achievable:.3g} -> {achievable:.3g}): plan with --hardware {out}")
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent):
+            pass
+    except OSError as error:  # a read-only or full disk, a file where the folder should be
+        raise ConfigError("--calibrate", f"cannot write {out}: {error.strerror or error}",
+                          "give a path in a writable folder with room") from None
 
 
 def _base_profile(name: str | None, kind: str) -> Hardware:
