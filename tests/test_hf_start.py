@@ -212,3 +212,30 @@ def test_model_path_naming_a_file_or_a_hub_id_says_what_to_do(folders, tmp_path,
     error = config_error("model=hf", "model.path=Qwen/Qwen3-0.6B")
     assert error.field == "model.path" and "titan-core reads no hub id from the network" in str(error)
     assert "huggingface-cli download Qwen/Qwen3-0.6B --local-dir <folder>" in str(error)
+
+
+def test_a_broken_folder_is_named_before_launch(folders, tmp_path):
+    """Weights cut short, a git-lfs pointer where they should be, a shard the index names but the folder lacks, and
+    a shard without the tensors its index places there: each one line naming the file (from headers only), never a
+    traceback after launch."""
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(folders["qwen3"], dtype=torch.float32).save_pretrained(
+        sharded, max_shard_size="200KB")
+    shutil.copy(folders["qwen3"] / "tokenizer.json", sharded / "tokenizer.json")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+
+    def damaged(name, damage, source=folders["qwen3"]):
+        folder = shutil.copytree(source, tmp_path / name)
+        damage(folder)
+        return str(config_error("model=hf", f"model.path={folder}", "+plugins=[checkpoint]"))
+
+    weights = "model.safetensors"
+    said = damaged("cut", lambda f: (f / weights).write_bytes((f / weights).read_bytes()[:5000]))
+    assert said.startswith(f"plugins.checkpoint.load_path: {tmp_path / 'cut' / weights} is not a whole safetensors")
+    said = damaged("lfs", lambda f: (f / weights).write_text("version https://git-lfs.github.com/spec/v1\n"))
+    assert said.endswith(f"is a git-lfs pointer, not the weights; fix: fetch them: git lfs pull in {tmp_path / 'lfs'}")
+    said = damaged("missing", lambda f: (f / shards[0].name).unlink(), sharded)
+    assert f"places tensors in {shards[0].name}, which {tmp_path / 'missing'} lacks" in said
+    said = damaged("swapped", lambda f: shutil.copy(f / shards[1].name, f / shards[0].name), sharded)
+    assert f"{shards[0].name} lacks " in said and "which model.safetensors.index.json places there" in said

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from titan_core import (ConfigError, HFAdapter, canonical_name, load_tokenizer, local_box, model_description,
@@ -111,6 +111,35 @@ def check_folder_model(folder: Path, description, config) -> None:
         raise ConfigError(FIELD, f"{folder / 'config.json'} has {key}={theirs.get(key)!r} where the job's model has "
                           f"{ours.get(key)!r}", f"start from the folder with model=hf model.path={folder} (every "
                           "option from it), or set the model's options to the folder's")
+
+
+def check_weight_files(folder: Path) -> None:
+    """The folder's weight files are whole and are what its index says, from their headers only (a download cut short,
+    a git-lfs pointer left where the weights should be, a shard missing or another one's tensors): each named."""
+    index = folder / "model.safetensors.index.json"
+    placed: dict[Path, set[str]] = {}
+    if index.is_file():
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            placed.setdefault(folder / file, set()).add(name)
+    elif (folder / "model.safetensors").is_file():
+        placed[folder / "model.safetensors"] = set()
+    for path, names in placed.items():
+        if not path.is_file():
+            raise ConfigError(FIELD, f"{index} places tensors in {path.name}, which {folder} lacks",
+                              "download the missing shard (or the whole folder) again")
+        with open(path, "rb") as file:
+            if file.read(40).startswith(b"version https://git-lfs"):
+                raise ConfigError(FIELD, f"{path} is a git-lfs pointer, not the weights",
+                                  f"fetch them: git lfs pull in {folder}")
+        try:
+            with safe_open(path, "pt") as opened:
+                held = set(opened.keys())
+        except SafetensorError as error:
+            raise ConfigError(FIELD, f"{path} is not a whole safetensors file ({error})",
+                              "download it again: it was cut short or damaged") from None
+        if names - held:
+            raise ConfigError(FIELD, f"{path.name} lacks {sorted(names - held)[0]}, which {index.name} places there",
+                              "download the folder again: its index and shards disagree")
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:

@@ -34,7 +34,8 @@ from titan_core import (CHECKPOINTING, FLOAT_DTYPES, ConfigError, Declaration, S
                         canonical_name, device_kind, float_dtype, hookimpl, lacks)
 from titan_checkpoint.convert import write_hf_share
 from titan_checkpoint.files import Deletions, damaged_files, partial_of, record_checksums, recover, swap_in
-from titan_checkpoint.hf import check_folder_model, hf_shapes, load_hf_slices, read_hf_config, write_hf_index
+from titan_checkpoint.hf import (check_folder_model, check_weight_files, hf_shapes, load_hf_slices, read_hf_config,
+                                 write_hf_index)
 from titan_checkpoint.state import (PARTS, SharedMetadataReader, check_loadable, check_model_matches, dcp_shapes,
                                     load_training_state, model_tensors, training_tensors)
 
@@ -70,6 +71,7 @@ def validate_options(config, plugin_config, plan) -> None:
                 raise ConfigError("plugins.checkpoint.load_path", lacks(plan.model, "hf", "Hugging Face import"),
                                   "load a titan-core checkpoint instead")
             read_hf_config(path, plan.model.hf)
+            check_weight_files(path)
             check_folder_model(path, plan.model, config)
             saved = hf_shapes(path, plan.model.hf, [k[len("model."):] for k in expected])
         else:
