@@ -183,3 +183,15 @@ def test_bad_rows_are_counted_before_launch_or_refused(tokenizer_folder, tmp_pat
 def test_too_few_held_out_conversations_for_a_batch_are_refused(tokenizer_folder):
     error = config_error(*sft_job(tokenizer_folder), "plugins.sft.holdout_every=16", "validation.every=2")
     assert error.field == "plugins.sft.holdout_every" and "holds out 4 usable conversations" in str(error)
+
+
+def test_a_conversation_file_cut_short_is_named_with_its_line(tokenizer_folder, tmp_path):
+    """A .jsonl copy cut in its last line: one line naming the file and the line, before launch (was 83 lines and
+    three tracebacks from the datasets library)."""
+    cut = tmp_path / "cut.jsonl"
+    whole = CHAT.read_text()
+    cut.write_text(whole + whole.splitlines()[0][:25])
+    error = config_error(*sft_job(tokenizer_folder), f"plugins.sft.path={cut}")
+    lines = len(whole.splitlines()) + 1
+    assert str(error) == (f"plugins.sft.path: {cut} line {lines} is not whole JSON (the file was cut short?); fix: "
+                          "remove the line, or copy the file again")

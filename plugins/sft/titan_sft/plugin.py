@@ -10,6 +10,8 @@ longer than a row, a template that fails on them) are found before launch: count
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import datasets
@@ -127,7 +129,32 @@ def _rows(plugin_config):
     if not files or len(formats) != 1 or None in formats:
         raise ConfigError("plugins.sft.path", f"{path} holds no conversations in one format",
                           f"use {', '.join(FORMATS)} files, all of one format")
-    return load_dataset(formats.pop(), data_files=files, split="train")
+    for file in files:
+        if file.endswith(".jsonl"):
+            check_last_line(Path(file))
+    try:
+        return load_dataset(formats.pop(), data_files=files, split="train")
+    except Exception as error:  # datasets' parse errors, of many kinds: one line naming the files
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise ConfigError("plugins.sft.path", f"{path} cannot be read as conversations ({reason})",
+                          "fix or remove the damaged file") from None
+
+
+def check_last_line(file: Path) -> None:
+    """A jsonl file's last line is whole JSON: a copy cut short ends in half a conversation (read from the end only)."""
+    with open(file, "rb") as opened:
+        size = opened.seek(0, 2)
+        opened.seek(max(0, size - (1 << 20)))
+        tail = opened.read().rstrip(b"\n").rsplit(b"\n", 1)
+    if not tail[-1].strip():
+        return
+    try:
+        json.loads(tail[-1])
+    except ValueError:
+        with open(file, "rb") as opened:
+            line = sum(1 for _ in opened)
+        raise ConfigError("plugins.sft.path", f"{file} line {line} is not whole JSON (the file was cut short?)",
+                          "remove the line, or copy the file again") from None
 
 
 def _renderer(config, plugin_config, bos_id: int) -> ChatRenderer:
