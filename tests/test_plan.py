@@ -4,7 +4,9 @@ of bad values are checked in this process, where the launcher finds them: a laun
 import itertools
 import re
 
-from titan_core.testing import TINY, config_error, error_line, run_job
+import pytest
+
+from titan_core.testing import TINY, config_error, error_line, merged, run_job
 
 DRY = [*TINY, "launch.dry_run=true"]
 
@@ -142,3 +144,17 @@ def test_nothing_is_written_for_refused_input(tmp_path):
     result = run_job([*DRY, "model.n_heads=3"], run_dir, expect_success=False)
     assert result.returncode == 2
     assert not (run_dir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("preset, option", [
+    ("tiny", "n_kv_heads=0"), ("tiny", "rope_theta=-1.0"), ("qwen3_tiny", "head_dim=0"),
+    ("qwen3_moe_tiny", "num_key_value_heads=0"), ("deepseek_v3_tiny", "kv_lora_rank=0"),
+    ("deepseek_v3_tiny", "beta_fast=0.0"), ("gpt_oss_tiny", "original_max_position_embeddings=0"),
+])
+def test_a_model_size_rank_or_factor_that_is_not_positive_is_refused(preset, option):
+    """Every family validates its sizes, ranks and factors where it reads them: a zero-width latent (DeepSeek-V3's
+    kv_lora_rank=0) once trained with only torch's "zero-element tensors" warning."""
+    name, value = option.split("=")
+    error = config_error(*merged(DRY, [f"model={preset}", f"model.{option}"]))
+    assert str(error).startswith(f"model.{name}: {float(value) if '.' in value else int(value)!r} is not a positive "
+                                 "number; fix: set model.")

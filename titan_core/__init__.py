@@ -18,7 +18,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the run           ParallelMesh, TrainState, Stateful, local_box, device_kind; Tokenizer, Batches, Schedule
     data-parallel     replicate_only_over, replicated_over
     tensor parallel   GatherCasts, cast_gathers, gather_casts, keep_precision (gathered tensors cast to travel)
-    options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count
+    options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count, check_positive
     tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model,
                       folder_config
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
@@ -46,8 +46,8 @@ from titan_core.mesh import ParallelMesh, device_kind
 from titan_core.moe.layer import MoE, MoeOptions, SwiGLU, check_moe_options
 from titan_core.moe.routing import ExpertRouting, init_routing_buffers
 from titan_core.objective import IGNORE_INDEX, add_loss
-from titan_core.options import (FLOAT_DTYPES, compute_dtype, count_or_null, float_dtype, replica_count,
-                                text_or_null)
+from titan_core.options import (FLOAT_DTYPES, check_positive, compute_dtype, count_or_null, float_dtype,
+                                replica_count, text_or_null)
 from titan_core.parameter_roles import PARAMETER_ROLES, param_groups, parameter_role
 from titan_core.plan import (CP, DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP, Declaration, MeshDimension, Plan,
                              PlannedPlugin, rest_of)
@@ -78,7 +78,7 @@ __all__ = [
     # the run (and what hooks pass beyond torch's types), data parallel, options
     "ParallelMesh", "TrainState", "Stateful", "local_box", "device_kind", "Tokenizer", "Batches", "Schedule",
     "replicate_only_over", "replicated_over", "GatherCasts", "cast_gathers", "gather_casts", "keep_precision",
-    "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count",
+    "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count", "check_positive",
     # tools
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",
     # errors

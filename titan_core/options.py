@@ -51,3 +51,13 @@ def text_or_null(value, field: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ConfigError(field, f"{value!r} is not text", f"quote it for Hydra: \"{field}='{value}'\"")
     return value
+
+
+def check_positive(args, names, family: str) -> None:
+    """Refuse a size, count, rank or factor of a model that is not a positive number (a null option stays null): a
+    zero-width latent or a head dimension of 0 builds a model torch runs without a word."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ConfigError(f"model.{name}", f"{value!r} is not a positive number",
+                              f"set model.{name} to a positive value, as {family}'s presets do")

@@ -7,7 +7,7 @@ import math
 import re
 
 from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
-                        ParamInit, TensorParallelLayout, check_hf_config, check_moe_options, hookimpl,
+                        ParamInit, TensorParallelLayout, check_hf_config, check_moe_options, check_positive, hookimpl,
                         init_routing_buffers, read_options)
 from titan_deepseek_v3.model import DeepseekV3, DeepseekV3Args, rope_table
 
@@ -20,8 +20,15 @@ HF_NAMES = {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_e
 BIASED_CLAMPED_EXPERTS = ("router_bias", "expert_projection_bias", "expert_activation", "swiglu_alpha", "swiglu_limit")
 
 
+# Sizes, counts, ranks and factors that must be positive numbers (null ones stay null).
+POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "vocab_size", "rms_norm_eps",
+            "rope_theta", "rope_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+            "max_position_embeddings")
+
 def deepseek_v3_args(model_config, vocab_size: int, seq_len: int) -> DeepseekV3Args:
     args = DeepseekV3Args(**read_options(model_config, OPTIONS, "DeepSeek-V3", vocab_size), seq_len=seq_len)
+    check_positive(args, POSITIVE, "DeepSeek-V3")
     check_moe_options(args)
     if args.qk_rope_head_dim % 2:
         raise ConfigError("model.qk_rope_head_dim", f"{args.qk_rope_head_dim} is odd and RoPE rotates pairs",

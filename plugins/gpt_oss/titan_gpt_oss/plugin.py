@@ -6,8 +6,8 @@ import dataclasses
 import math
 
 from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
-                        ParamInit, StoredLayout, TensorParallelLayout, check_hf_config, check_moe_options, hookimpl,
-                        init_routing_buffers, read_options)
+                        ParamInit, StoredLayout, TensorParallelLayout, check_hf_config, check_moe_options,
+                        check_positive, hookimpl, init_routing_buffers, read_options)
 from titan_gpt_oss.model import LAYER_TYPES, GptOss, GptOssArgs, rope_table
 
 FAMILY = "gpt_oss"
@@ -25,11 +25,17 @@ STORED = {"experts.gate_up_proj": StoredLayout((0, 2, 1), interleaved=1),
           "experts.down_proj": StoredLayout((0, 2, 1))}
 
 
+# Sizes, counts, ranks and factors that must be positive numbers (null ones stay null).
+POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "sliding_window", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling_factor",
+            "original_max_position_embeddings", "beta_fast", "beta_slow", "max_position_embeddings")
+
 def gpt_oss_args(model_config, vocab_size: int, seq_len: int) -> GptOssArgs:
     options = read_options(model_config, OPTIONS, "gpt-oss", vocab_size)
     if options.get("layer_types") is not None:
         options["layer_types"] = tuple(options["layer_types"])
     args = GptOssArgs(**options, seq_len=seq_len)
+    check_positive(args, POSITIVE, "gpt-oss")
     check_moe_options(args)
     if args.num_attention_heads % args.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads", f"{args.num_key_value_heads} key-value heads do not divide "

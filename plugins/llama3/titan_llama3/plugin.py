@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                        check_hf_config, hookimpl, read_options)
+                        check_hf_config, check_positive, hookimpl, read_options)
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 
 FAMILY = "llama3"
@@ -20,12 +20,18 @@ OUTER_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weigh
                "output.weight": "lm_head.weight"}
 
 
+# Sizes, counts, ranks and factors that must be positive numbers (null ones stay null).
+POSITIVE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps",
+            "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+            "rope_original_max_positions", "max_position_embeddings")
+
 def llama_args(model_config, vocab_size: int, seq_len: int) -> LlamaArgs:
     """The model arguments of ``config.model``, checked: shapes that divide, a vocabulary that fits."""
     if "max_seq_len" in model_config:
         raise ConfigError("model.max_seq_len", "is derived from training.seq_len", "set training.seq_len instead")
     known = set(LlamaArgs.__dataclass_fields__) - {"max_seq_len"}
     args = LlamaArgs(**read_options(model_config, known, "Llama 3", vocab_size), max_seq_len=seq_len)
+    check_positive(args, POSITIVE, "Llama 3")
     if args.dim % args.n_heads:
         raise ConfigError("model.n_heads", f"dim {args.dim} is not divisible by n_heads {args.n_heads}",
                           "choose n_heads dividing model.dim")

@@ -7,7 +7,7 @@ import math
 import re
 
 from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
-                        ParamInit, check_moe_options, hookimpl, init_routing_buffers, read_options)
+                        ParamInit, check_moe_options, check_positive, hookimpl, init_routing_buffers, read_options)
 from titan_qwen3.model import rope_table
 from titan_qwen3.moe import Qwen3Moe, Qwen3MoeArgs
 from titan_qwen3 import plugin as qwen3
@@ -23,6 +23,7 @@ def qwen3_moe_args(model_config, vocab_size: int, seq_len: int) -> Qwen3MoeArgs:
     options = read_options(model_config, OPTIONS, "Qwen3-MoE", vocab_size)
     options["mlp_only_layers"] = tuple(options.get("mlp_only_layers") or ())
     args = Qwen3MoeArgs(**options, seq_len=seq_len)
+    check_positive(args, qwen3.POSITIVE, "Qwen3-MoE")
     qwen3.check_attention_shape(args)
     check_moe_options(args)
     if args.decoder_sparse_step < 1:

@@ -6,15 +6,20 @@ import math
 from dataclasses import fields
 
 from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                        check_hf_config, hookimpl, read_options)
+                        check_hf_config, check_positive, hookimpl, read_options)
 from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
 
 FAMILY = "qwen3"
 OPTIONS = tuple(f.name for f in fields(Qwen3Args) if f.name != "seq_len")
 
 
+# Sizes, counts, ranks and factors that must be positive numbers (null ones stay null).
+POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+
 def qwen3_args(model_config, vocab_size: int, seq_len: int) -> Qwen3Args:
     args = Qwen3Args(**read_options(model_config, OPTIONS, "Qwen3", vocab_size), seq_len=seq_len)
+    check_positive(args, POSITIVE, "Qwen3")
     check_attention_shape(args)
     return args
 
