@@ -460,6 +460,40 @@ def model_facts(description: ModelDescription, build, dtype: torch.dtype, seq_le
         return _traced_facts(description, build, dtype, seq_len, documents, device_type if autocast else None)
 
 
+def _hooked_tracer(model, description, blocks: list, seq_len: int, autocast: bool) -> _Tracer:
+    """A tracer of ``model`` whose blocks (and a model's own experts modules) tell it when they run."""
+    paths = {p.untyped_storage()._cdata: "" for p in model.parameters()}
+    for block in blocks:
+        paths.update((p.untyped_storage()._cdata, name.rpartition(".")[0]) for name, p in block.named_parameters())
+    tracer = _Tracer(min(TRACE_TOKENS, seq_len), paths, _storages(model.buffers()), len(blocks), autocast)
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(functools.partial(tracer.enter, index))
+        block.register_forward_hook(tracer.leave)
+        block.register_full_backward_pre_hook(functools.partial(tracer.mark, "start", index))
+        block.register_full_backward_hook(functools.partial(tracer.mark, "end", index))
+        experts = description.experts_of(block)
+        if experts is not None:  # a model's own experts module (the core's runs evenly routed, below)
+            experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(len(args[0]), _nbytes(args[0])))
+            experts.register_forward_hook(tracer.leave_experts)
+    return tracer
+
+
+def _saved_per_token(tracer: _Tracer, blocks: int, logits) -> tuple[list[float], list[float], float, float]:
+    """Bytes per token kept for backward: by each block, of it the residual stream, outside the blocks, and of that
+    the logits."""
+    per_block, streams, outer, outer_logits = [0.0] * blocks, [0.0] * blocks, 0.0, 0.0
+    for block, nbytes, shape in tracer.saved.values():
+        if block is None:
+            outer += nbytes / tracer.positions
+            outer_logits += nbytes / tracer.positions if shape[-1:] == logits.shape[-1:] else 0.0
+        else:
+            per_block[block] += nbytes / tracer.positions
+            # The stream as saved: its shape, or flattened to rows of its width (a linear's input).
+            stream = shape[-1:] == tracer.stream_shape[-1:] and math.prod(shape) == math.prod(tracer.stream_shape)
+            streams[block] += nbytes / tracer.positions if stream else 0.0
+    return per_block, streams, outer, outer_logits
+
+
 def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, documents: bool,
                   autocast: str | None) -> ModelFacts:
     """``autocast``: the device type whose autocast the forward runs under (on fake CPU tensors), or None."""
@@ -474,20 +508,7 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
     if autocast is None:
         model.to(dtype)
     blocks = list(description.blocks_of(model).values()) if description.blocks else []
-    paths = {p.untyped_storage()._cdata: "" for p in model.parameters()}
-    for block in blocks:
-        paths.update((p.untyped_storage()._cdata, name.rpartition(".")[0]) for name, p in block.named_parameters())
-    tracer = _Tracer(min(TRACE_TOKENS, seq_len), paths, _storages(model.buffers()), len(blocks),
-                     autocast is not None)
-    for index, block in enumerate(blocks):
-        block.register_forward_pre_hook(functools.partial(tracer.enter, index))
-        block.register_forward_hook(tracer.leave)
-        block.register_full_backward_pre_hook(functools.partial(tracer.mark, "start", index))
-        block.register_full_backward_hook(functools.partial(tracer.mark, "end", index))
-        experts = description.experts_of(block)
-        if experts is not None:  # a model's own experts module (the core's runs evenly routed, below)
-            experts.register_forward_pre_hook(lambda module, args: tracer.enter_experts(len(args[0]), _nbytes(args[0])))
-            experts.register_forward_hook(tracer.leave_experts)
+    tracer = _hooked_tracer(model, description, blocks, seq_len, autocast is not None)
     tokens = torch.zeros(1, tracer.positions, dtype=torch.long, device=device)
     _Tracer.active = tracer
     try:
@@ -525,16 +546,7 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
     gradients = {tracer.alive[id(p.grad.untyped_storage())] for p in model.parameters()
                  if p.grad is not None and id(p.grad.untyped_storage()) in tracer.alive}
     block_backward, loss_backward = tracer.backward_peaks(gradients, len(blocks))
-    per_block, streams, outer, outer_logits = [0.0] * len(blocks), [0.0] * len(blocks), 0.0, 0.0
-    for block, nbytes, shape in tracer.saved.values():
-        if block is None:
-            outer += nbytes / tracer.positions
-            outer_logits += nbytes / tracer.positions if shape[-1:] == logits.shape[-1:] else 0.0
-        else:
-            per_block[block] += nbytes / tracer.positions
-            # The stream as saved: its shape, or flattened to rows of its width (a linear's input).
-            stream = shape[-1:] == tracer.stream_shape[-1:] and math.prod(shape) == math.prod(tracer.stream_shape)
-            streams[block] += nbytes / tracer.positions if stream else 0.0
+    per_block, streams, outer, outer_logits = _saved_per_token(tracer, len(blocks), logits)
     counts = {group: sum(p.numel() for path in paths or () for p in model.get_submodule(path).parameters())
               for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
     outputs_trained = sum(p.numel() for path in description.outputs or ()
