@@ -6,7 +6,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from titan_core.plugins import Registry, build_meta_model, build_plan
 from titan_core.planner.costs import estimate
 from titan_core.planner.hardware import hardware_profile
 from titan_core.testing import compose
-from titan_lora import costs as lora_costs
 
 # What the planner's tests share, loaded by path as tracked_rank.py is (tests/ is not on the path).
 spec = importlib.util.spec_from_file_location("planner_cases", Path(__file__).with_name("planner_cases.py"))
@@ -27,17 +25,18 @@ _plan_command, _printed_bytes = cases._plan_command, cases._printed_bytes
 _tracked_step, _term = cases._tracked_step, cases._term
 
 
-def test_a_plugin_that_freezes_the_model_is_counted_with_its_trained_share():
+def test_what_trains_is_counted_from_the_converted_models_requires_grad():
     """LoRA rank 4 on the 7 linears of each of qwen3_tiny's 4 blocks trains 4 x (128 + 96 + 96 + 128 + 192 + 192 +
-    192) x 4 = 16,384 values: AdamW keeps its 8 bytes for those alone (lora's estimate_costs sets trained_share)."""
+    192) x 4 = 16,384 values: AdamW keeps its 8 bytes for those alone (the core counts them on the model lora's
+    trace conversion makes; lora sets no share)."""
     config = compose("model=qwen3_tiny", "tokenizer.path=bytes", "training.seq_len=64", "+plugins=[lora]",
                      "plugins.lora.rank=4")
     registry = Registry(config)
     plan = build_plan(config, registry, None, 256)
     adapted = estimate(config, plan, registry, CPU)
     assert adapted.memory()["optimizer"] == pytest.approx(8 * 16_384)
-    adapted.trained_share = 1.0  # the whole model trained, as without lora
-    assert adapted.memory()["optimizer"] > 8 * 16_384 * 10
+    unconverted = dataclasses.replace(adapted, trace_conversions={})  # the whole model trained, as without lora
+    assert unconverted.trained_share == 1.0 and unconverted.memory()["optimizer"] > 8 * 16_384 * 10
     narrow = compose("model=qwen3_tiny", "tokenizer.path=bytes", "training.seq_len=64", "+plugins=[lora]",
                      "plugins.lora.rank=4", "plugins.lora.base_dtype=bfloat16", "training.compute_dtype=bfloat16")
     model = build_meta_model(narrow, plan.model)
@@ -45,19 +44,36 @@ def test_a_plugin_that_freezes_the_model_is_counted_with_its_trained_share():
     halved = estimate(narrow, build_plan(narrow, Registry(narrow), None, 256), Registry(narrow), CPU)
     # The base linears at 2 bytes, not 4: the embeddings and norms stay float32.
     assert adapted.memory()["parameters"] - halved.memory()["parameters"] == pytest.approx(2 * linears)
-    # On experts (the planner does not trace a mixture of experts yet: lora's hook asked alone): qwen3_moe_tiny's
-    # 3 sparse blocks x 8 experts x rank 4 x ((64 + 64) + (64 + 32)), for the stacks gate_up (64 x 64) and down
-    # (64 x 32), beside rank 4 on the 4 attention linears of its 4 blocks.
+    # On experts: qwen3_moe_tiny's 3 sparse blocks x 8 experts x rank 4 x ((64 + 64) + (64 + 32)), for the stacks
+    # gate_up (64 x 64) and down (64 x 32), beside rank 4 on the 4 attention linears of its 4 blocks.
     experts = compose("model=qwen3_moe_tiny", "tokenizer.path=bytes", "training.seq_len=64", "+plugins=[lora]",
                       "plugins.lora.rank=4", "plugins.lora.targets=[attention,experts]")
-    plan = build_plan(experts, Registry(experts), None, 256)
-    told = types.SimpleNamespace(weight_split=1, trained_share=None, add_memory=None, trace_conversions={})
-    lora_costs.estimate_costs(told, experts, experts.plugins.lora, plan)
-    base = sum(p.numel() for p in build_meta_model(experts, plan.model).parameters())
+    registry = Registry(experts)
+    adapted_experts = estimate(experts, build_plan(experts, registry, None, 256), registry, CPU)
     adapters = 3 * 8 * 4 * (128 + 96) + 4 * 4 * (128 + 96 + 96 + 128)
-    assert told.trained_share == pytest.approx(adapters / (base + adapters))
+    assert adapted_experts.trained_share * adapted_experts.sharded_params() == adapters
     # Traced as converted: the model's facts count the adapters among its parameters.
     assert adapted.facts.params - adapted.facts_in(adapted.compute_dtype, {}).params == 16_384
+
+
+def test_a_pipeline_stage_of_frozen_blocks_trains_nothing_and_the_other_all():
+    """Each pipeline rank counts what its own blocks train: with the first stage's inputs and blocks frozen (a
+    conversion as a freezing plugin registers it), that rank keeps no gradient and no optimizer state, and the last
+    stage a float32 gradient and AdamW's 8 bytes for every parameter it holds (one share for the whole model, as
+    plugins set it until 2026-12-07, gave both ranks the same half)."""
+    *_, result = _estimate("+plugins=[pp]", "plugins.pp.degree=2", "plugins.pp.microbatches=4")
+    first_blocks = result.ranks[0]["blocks"]
+
+    def freeze_first_stage(model):
+        for index in first_blocks:
+            model.layers[str(index)].requires_grad_(False)
+        model.tok_embeddings.requires_grad_(False)
+
+    frozen = dataclasses.replace(result, trace_conversions={"freeze the first stage": freeze_first_stage})
+    first, last = frozen.each_rank()
+    assert first.trained_share == 0 and first.step_peak()["optimizer"] == 0 and first.step_peak()["gradients"] == 0
+    assert last.trained_share == 1 and last.step_peak()["gradients"] == pytest.approx(4 * last.sharded_params())
+    assert last.step_peak()["optimizer"] >= 8 * last.sharded_params()
 
 
 @pytest.mark.parametrize("overrides, within, over", [
@@ -95,9 +111,7 @@ def test_tensor_parallel_leaves_each_lora_factor_it_does_not_split_whole(overrid
     config, registry, plan, result = _estimate("launch.device=cpu", "training.seq_len=256", *overrides)
     measured = _tracked_step(config, registry, plan)
     assert result.memory()["optimizer"] == pytest.approx(measured["OPT"], rel=0.01)
-    evenly = types.SimpleNamespace(weight_split=1, trained_share=None, add_memory=None, trace_conversions={})
-    lora_costs.estimate_costs(evenly, config, config.plugins.lora, plan)
-    split_evenly = dataclasses.replace(result, trained_share=evenly.trained_share, memory_terms=[
+    split_evenly = dataclasses.replace(result, trained_whole=0.0, memory_terms=[
         term for term in result.memory_terms if not term[1].endswith("whole on every tensor-parallel rank")])
     error, before = (sum(e.memory().values()) / measured["Total"] - 1 for e in (result, split_evenly))
     print(f"{error:+.1%} (every factor split: {before:+.1%})")

@@ -828,15 +828,12 @@ FROZEN_LAYERS_COSTS = '''
 import functools
 
 from frozenlayers_plugin_frozenlayers import freeze
-from titan_core import build_meta_model, hookimpl
+from titan_core import hookimpl
 
 
 @hookimpl
-def estimate_costs(estimate, config, plugin_config, plan):
-    """frozenlayers: what still trains, and the model traced frozen as converted."""
-    model = build_meta_model(config, plan.model)
-    frozen = sum(p.numel() for name, p in model.named_parameters() if name.startswith(tuple(plugin_config.prefixes)))
-    estimate.trained_share = 1 - frozen / sum(p.numel() for p in model.parameters())
+def estimate_costs(estimate, plugin_config):
+    """frozenlayers: the model traced frozen as converted (the core then counts what still trains)."""
     if plugin_config.traced:  # false: as a plugin that does not register its conversion
         estimate.trace_conversions[f"frozenlayers {list(plugin_config.prefixes)}"] = functools.partial(
             freeze, prefixes=list(plugin_config.prefixes))

@@ -8,7 +8,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the contract      hookimpl, hookspec (titan_core.hookspecs: every hook, typed and documented)
     the plan          Declaration, MeshDimension, Plan, PlannedPlugin, the mesh dimension names, rest_of
     capabilities      PIPELINE, TENSOR_PARALLEL, ... (titan_core.capabilities)
-    the model         ModelDescription and its parts, attribute/drop/replace, read_options, lacks, canonical_name,
+    the model         ModelDescription and its parts, attribute/replace, read_options, lacks, canonical_name,
                       check_hf_config
     attention seam    causal_attention, masked_attention, attention_mask, shared_mask, route_masked_attention,
                       document_ids, grouped
@@ -35,7 +35,7 @@ from titan_core.capabilities import (CHECKPOINTING, COMPILE, CONTEXT_PARALLEL, D
 from titan_core.data import load_tokenizer, special_tokens, tokenizer_file
 from titan_core.data_parallel import replicate_only_over, replicated_over
 from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, ModelDescription, ParamInit,
-                                    TensorParallelLayout, attribute, canonical_name, drop, lacks, read_options, replace)
+                                    TensorParallelLayout, attribute, canonical_name, lacks, read_options, replace)
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.narrow_gathers import GatherCasts, cast_gathers, gather_casts, keep_precision
 from titan_core.hookspecs import hookimpl, hookspec
@@ -66,7 +66,7 @@ __all__ = [
     "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
     # the model
     "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "StoredLayout", "CORE_ATTENTION",
-    "SDPA_CAUSAL", "attribute", "drop", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
+    "SDPA_CAUSAL", "attribute", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
     # mixture-of-experts building blocks
     "rope_frequencies", "yarn_frequencies", "yarn_mscale", "MoE", "MoeOptions", "SwiGLU", "check_moe_options",
     "ExpertRouting", "init_routing_buffers",

@@ -106,12 +106,14 @@ class ExpertsLayout:
 
     ``linears`` (optional) names the module's parameters that are stacks of per-expert linear weights, (experts, out
     features, in features), expert ``e``'s applied as ``F.linear(x, weight[e])``, each read by the module's forward
-    as an attribute on every call: what LoRA adapts when asked for ``experts``.
+    as an attribute on every call: what LoRA adapts when asked for ``experts``. ``routed``: how many experts each
+    token goes to (top-k), by which the core takes frozen experts' gradients out of the FLOPs it reports.
     """
 
     module: str
     count: int
     linears: tuple[str, ...] = ()
+    routed: int | None = None
 
     @property
     def layer(self) -> str:
@@ -192,13 +194,9 @@ def attribute(root: nn.Module, path: str):
     return value
 
 
-def drop(root: nn.Module, path: str) -> None:
-    """Set the module at dotted ``path`` to None (a pipeline stage that does not run it)."""
-    replace(root, path, None)
-
-
 def replace(root: nn.Module, path: str, module: nn.Module | None) -> None:
-    """Put ``module`` at dotted ``path``: its parameters keep the names of the one it replaces."""
+    """Put ``module`` at dotted ``path`` (None: a pipeline stage that does not run it): its parameters keep the names
+    of the one it replaces."""
     parent, _, name = path.rpartition(".")
     setattr(attribute(root, parent) if parent else root, name, module)
 

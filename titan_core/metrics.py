@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from titan_core.description import ModelDescription
 from titan_core.devices import datasheet_by_device_name
 
 log = logging.getLogger("titan_core")
@@ -38,6 +40,26 @@ def peak_tflops(configured: float | None, device: torch.device) -> tuple[float |
             return None, f"unknown accelerator '{name}', so no MFU: set metrics.peak_tflops to its dense bf16 peak"
         return profile.bf16_tflops, f"{name}: {profile.name} dense bf16 datasheet"
     return None, "a CPU has no datasheet peak here, so no MFU: set metrics.peak_tflops to this CPU's to see it"
+
+
+def trained_flops_per_token(model: nn.Module, description: ModelDescription, seq_len: int) -> tuple[float | None, str]:
+    """The model's training FLOPs per token (``description.flops_per_token``) less what the converted ``model``'s
+    frozen weights never compute, and how they were counted: a frozen weight's gradient, 2 FLOPs per element and
+    token of a linear's, an expert's for its share of the tokens. None when that share is unknown (frozen experts of
+    a model whose ``ExpertsLayout`` gives no ``routed``)."""
+    frozen = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad)
+    layout, frozen_experts = description.experts, 0
+    if layout is not None and description.blocks is not None:
+        frozen_experts = sum(getattr(experts, stack).numel() for block in description.blocks_of(model).values()
+                             if (experts := description.experts_of(block)) is not None for stack in layout.linears
+                             if not getattr(experts, stack).requires_grad)
+    if frozen_experts and (layout is None or layout.routed is None):
+        return None, (f"model '{description.family}' does not say how many experts a token goes to "
+                      "(ExpertsLayout.routed), so with frozen experts no TFLOPS or MFU")
+    if layout is not None and layout.routed is not None:
+        frozen += frozen_experts * layout.routed / layout.count
+    counted = description.flops_per_token(seq_len) - 2 * frozen
+    return counted, "frozen weights' gradients not counted" if frozen else "every weight trains"
 
 
 def cut_log_after(path: Path, step: int) -> None:
@@ -103,7 +125,8 @@ CORE_METRICS = frozenset({"step", "loss", "loss_avg", "grad_norm", "lr", "step_t
 
 class MetricsLogger:
     def __init__(self, config, run_dir: Path, rank: int, world_size: int, device: torch.device,
-                 flops_per_token: float, first_step: int):
+                 flops: tuple[float | None, str], first_step: int):
+        """``flops``: the training FLOPs per token and how they were counted (:func:`trained_flops_per_token`)."""
         self.every = config.metrics.log_every
         self.progress_every_s = config.metrics.progress_every_s
         self.validate_every = config.validation.every
@@ -111,12 +134,13 @@ class MetricsLogger:
         self.tokens_per_step = config.training.global_batch_size * config.training.seq_len
         self.world_size = world_size
         self.device = device
-        self.flops_per_token = flops_per_token
+        self.flops_per_token, counted = flops
         self.writes = rank == 0
         self.peak, source = peak_tflops(config.metrics.peak_tflops, device)
         if self.writes:
-            log.info("peak %s TFLOPS per device (%s); %.3g training FLOPs per token",
-                     f"{self.peak:.3g}" if self.peak else "unknown", source, flops_per_token)
+            log.info("peak %s TFLOPS per device (%s); %s training FLOPs per token (%s)",
+                     f"{self.peak:.3g}" if self.peak else "unknown", source,
+                     "unknown" if self.flops_per_token is None else f"{self.flops_per_token:.3g}", counted)
         if self.writes:  # a resumed run logs again what its stopped attempt logged past the checkpoint
             cut_log_after(run_dir / "metrics.jsonl", first_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a") if self.writes else None
@@ -188,15 +212,15 @@ class MetricsLogger:
         step_time = training / (step - self.last_step)
         self.recent.append((step - self.last_step, training))
         tokens_per_s = self.tokens_per_step / step_time
-        tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
         metrics = {"step": step, "loss": losses[step], **({"loss_avg": average} if average is not None else {}),
                    "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size,
-                   "tflops_per_device": tflops,
                    "memory_gib": memory_gib(self.device),
                    **{f"{kind}_time_s": seconds for kind, seconds in self.aside.items() if seconds}, **extra}
-        if self.peak:
-            metrics["mfu"] = tflops / self.peak
+        if self.flops_per_token is not None:
+            metrics["tflops_per_device"] = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+            if self.peak:
+                metrics["mfu"] = metrics["tflops_per_device"] / self.peak
         self.last, self.last_step = now, step
         self.aside = dict.fromkeys(self.aside, 0.0)
         if self.writes:
@@ -217,16 +241,17 @@ class MetricsLogger:
         return f"{_duration(seconds / steps * (self.steps - step))} (at the last {steps} steps' pace)"
 
     def _write(self, m: dict, eta: str) -> None:
+        tflops = f" | {m['tflops_per_device']:.3g} TFLOPS/device" if "tflops_per_device" in m else ""
         mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
         # Per device first, as published tables quote it (TPS/GPU); the job's total beside it.
         average = f" (avg {m['loss_avg']:.4f})" if "loss_avg" in m else ""
         extra = "".join(f" | {key} {m[key]:.3g}" for key in m if key not in CORE_METRICS and key not in VALIDATION)
         if "validation_loss" in m:
             extra += f" | validation loss {m['validation_loss']:.4f} (perplexity {m['validation_perplexity']:.1f})"
-        log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total) | "
-                 "%.3g TFLOPS/device%s | mem %.2f GiB%s | eta %s",
+        log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e | %.0f tok/s/device (%.0f total)%s%s | "
+                 "mem %.2f GiB%s | eta %s",
                  m["step"], self.steps, m["loss"], average, m["grad_norm"], m["lr"], m["tokens_per_s_per_device"],
-                 m["tokens_per_s"], m["tflops_per_device"], mfu, m["memory_gib"], extra, eta)
+                 m["tokens_per_s"], tflops, mfu, m["memory_gib"], extra, eta)
         assert self.jsonl is not None, "only the rank that writes logs, and it opened metrics.jsonl"
         self.jsonl.write(json.dumps(m) + "\n")
         self.jsonl.flush()

@@ -27,7 +27,7 @@ from titan_core.errors import ConfigError
 from titan_core.grad_norm import FiniteWatch, clip_grad_norm_
 from titan_core.initialization import init_weights
 from titan_core.mesh import ParallelMesh, set_collective_timeout
-from titan_core.metrics import MetricsLogger, global_means
+from titan_core.metrics import MetricsLogger, global_means, trained_flops_per_token
 from titan_core.capabilities import MIXED_PRECISION
 from titan_core.options import compute_dtype
 from titan_core.plugins import Hooks
@@ -38,14 +38,20 @@ from titan_core.train_state import TrainState
 log = logging.getLogger("titan_core")
 
 
-def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.device) -> list[torch.nn.Module]:
-    """This rank's model parts: built on meta, converted, transformed by every plugin in plan order,
-    materialized on ``device``, initialized shard by shard, then handed to the ``after_init`` hooks."""
-    plan = hooks.plan
+def converted_model(hooks: Hooks, config) -> torch.nn.Module:
+    """The whole model, built on meta and converted by every plugin (what trains is settled from here on)."""
     with torch.device("meta"):
-        model = hooks.first("build_model", description=plan.model)
+        model = hooks.first("build_model", description=hooks.plan.model)
     hooks.each("convert_modules", model=model, config=config)
-    model_parts = [model]
+    return model
+
+
+def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.device,
+                      model: torch.nn.Module | None = None) -> list[torch.nn.Module]:
+    """This rank's model parts from the :func:`converted_model` (``model``, or built here): transformed by every
+    plugin in plan order, materialized on ``device``, initialized shard by shard, then handed to ``after_init``."""
+    plan = hooks.plan
+    model_parts = [converted_model(hooks, config) if model is None else model]
     for plugin in plan.plugins:
         if plugin.declaration.stage is not None:
             model_parts = hooks.call(plugin.name, "apply_parallelism", model_parts=model_parts, mesh=mesh,
@@ -83,9 +89,8 @@ class TrainingStep:
                  loss_fn: objective.TokenNormalisation, optimizer: torch.optim.Optimizer, lr_scheduler,
                  device: torch.device, bos_id: int):
         self.hooks, self.mesh, self.config, self.model_parts = hooks, mesh, config, model_parts
-        self.schedule, self.optimizer, self.lr_scheduler = schedule, optimizer, lr_scheduler
+        self.schedule, self.optimizer, self.lr_scheduler, self.loss_fn = schedule, optimizer, lr_scheduler, loss_fn
         # Backward weighs each forward of a step by the schedule's loss_weight: 1 / forwards.
-        self.loss_fn = loss_fn
         self.forwards = 1 / getattr(schedule, "loss_weight", 1 / config.training.grad_accum_steps)
         self.device, self.bos_id = device, bos_id
         # The core's mixed precision: the weights stay float32, forward and backward compute in the narrower
@@ -157,8 +162,11 @@ class Trainer:
         mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
         set_collective_timeout(config.launch.init_timeout_s)
 
-        model_parts = build_model_parts(hooks, mesh, config, device)
-        local_params = sum(_local(p).numel() for part in model_parts for p in part.parameters())
+        model = converted_model(hooks, config)
+        flops = trained_flops_per_token(model, plan.model, training.seq_len)  # the whole model's, before any split
+        model_parts = build_model_parts(hooks, mesh, config, device, model)
+        local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                           for part in model_parts for p in part.parameters())
         log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
                  rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
 
@@ -170,16 +178,14 @@ class Trainer:
         self.state = TrainState(model_parts, self.step.optimizer, self.step.lr_scheduler, dataloader,
                                 plugins=hooks.registry.stateful())
         self.state.step = hooks.first("load_checkpoint", state=self.state, config=config, run_dir=run_dir) or 0
-        schedule = self.step.schedule
         self.validation = hooks.first("build_validation_batches", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
                                       dp_size=plan.dp_size) if config.validation.every else []
-        if self.validation and not callable(getattr(schedule, "evaluate", None)):
-            raise ConfigError("validation.every", f"the schedule {type(schedule).__name__} (from a plugin's "
+        if self.validation and not callable(getattr(self.step.schedule, "evaluate", None)):
+            raise ConfigError("validation.every", f"the schedule {type(self.step.schedule).__name__} (from a plugin's "
                               "build_schedule) has no evaluate(inputs, labels, model_kwargs)",
                               "set validation.every=0, or add evaluate to the schedule (docs/writing-plugins.md)")
         self.finite = FiniteWatch(device)
-        self.metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device,
-                                     plan.model.flops_per_token(training.seq_len), first_step=self.state.step)
+        self.metrics = MetricsLogger(config, run_dir, rank, plan.world_size, device, flops, self.state.step)
         self.profiler = StepProfiler(list(config.metrics.profile_steps), run_dir, rank, device)
 
     def run(self, stop: StopSignals) -> signal.Signals | None:
@@ -245,10 +251,6 @@ class Trainer:
 def local_mean(losses: list[torch.Tensor]) -> torch.Tensor | None:
     """The mean of this rank's micro-batch losses in fp32, on the device; None where none is computed."""
     return torch.stack(losses).float().mean() if losses else None
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,7 @@ class Estimate:
     beside the core layer's while the experts compute: expert parallel's arrived copies, 1; what a block
     recomputing in backward holds beside what it keeps).
 
-    Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the step's FLOPs),
+    Time: ``recomputed_fraction`` (forward FLOPs run again, as a fraction of the model's training FLOPs),
     ``matmul_speedup`` (float8; a number or a function of the estimate), ``elementwise_passes`` (times each activation crosses device memory in a
     step: recomputation adds to it), ``fusion`` (the share of that traffic left once a compiler fuses
     the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules),
@@ -151,9 +151,10 @@ class Estimate:
     largest tensor, and an optimizer plugin whose step holds otherwise, exchanging matrices, sets them), and
     ``optimizer_flops`` (matrix-product FLOPs its step runs on this rank, a number or a function of the estimate:
     Muon's Newton–Schulz, at the bf16 matmul rate), ``optimizer_operators`` (operators its step issues, a
-    number or a function of the estimate: the core counts them per parameter group and tensor). ``trained_share``:
-    the parameters that train, as a share of the model's (a plugin that freezes the model and adds parameters
-    of its own sets it): gradients, optimizer states and the optimizer's traffic exist for those only;
+    number or a function of the estimate: the core counts them per parameter group and tensor). ``trained_whole``:
+    elements of what trains that this rank keeps beyond its split share (a number or a function of the estimate:
+    LoRA's factors that a split of their linears leaves whole; the core counts the rest from the traced model's
+    ``requires_grad``, :meth:`trained_share`);
     ``trace_conversions`` (by plugin name, functions converting the meta model in place, which the model's trace
     applies after building it: what a plugin changes in what the blocks keep by converting modules, LoRA's frozen
     weights and adapters; :attr:`facts` are then those of the converted model).
@@ -212,7 +213,7 @@ class Estimate:
     optimizer_step_bytes: float | Callable[[Estimate], float] = 0.0
     optimizer_flops: float | Callable[[Estimate], float] = 0.0
     optimizer_operators: float | Callable[[Estimate], float] = 0.0
-    trained_share: float = 1.0
+    trained_whole: float | Callable[[Estimate], float] = 0.0
     ranks: list[dict] = field(default_factory=list)
     rank: int = 0  # which of ``ranks`` this estimate is
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
@@ -362,6 +363,17 @@ class Estimate:
         """Parameters of the parts this rank holds that it keeps after every split: what its optimizer states and its
         gradients, once reduced, cover."""
         return self.held_params() / (self.weight_split * self.state_shards)
+
+    @property
+    def trained_share(self) -> float:
+        """Of the parameters this rank keeps (:meth:`sharded_params`), the share that trains: gradients, optimizer
+        states and the optimizer's traffic exist for those only. Counted per block from the traced model (a
+        pipeline rank holding only frozen blocks trains nothing), plus ``trained_whole``."""
+        facts, kept = self.facts, self.sharded_params()
+        trained = (sum(facts.block_trained[i] for i in self.blocks) + facts.other_trained
+                   + facts.inputs_trained * self.holds_inputs + facts.outputs_trained * self.holds_outputs)
+        return ((trained / (self.weight_split * self.state_shards) + evaluated(self.trained_whole, self)) / kept
+                if kept else 0.0)
 
     def held_gathered(self) -> float:
         """Parameters of the parts this rank holds that it computes with, once gathered (what a sharder gathers
@@ -612,11 +624,14 @@ class Estimate:
         memory["buffers"] += facts.buffer_bytes
         return {category: memory[category] + own[category] for category in CATEGORIES}
 
-    def step_flops(self) -> float:
-        """The model's training FLOPs per optimizer step on one rank (recomputation not counted, as MFU)."""
+    def step_flops(self, frozen_too: bool = False) -> float:
+        """The model's training FLOPs per optimizer step on one rank (recomputation not counted, as MFU), less the
+        gradients its frozen weights never make unless ``frozen_too`` (what a share of the FLOPs is a share of)."""
         training = self.config.training
         tokens = training.global_batch_size * training.seq_len
-        return self.plan.model.flops_per_token(training.seq_len) * tokens / self.plan.world_size
+        trained = self.facts.trained_flops
+        per_token = self.plan.model.flops_per_token(training.seq_len) if frozen_too or trained is None else trained
+        return per_token * tokens / self.plan.world_size
 
     def link_gbps(self, dims: tuple[str, ...]) -> float:
         """The bandwidth of a group over ``dims``: NVLink-class when its ranks fit in one node."""
@@ -644,7 +659,8 @@ class Estimate:
     def step_seconds(self) -> dict[str, float]:
         """Seconds of one optimizer step on one rank, by part, and the total."""
         hardware = self.hardware
-        matmul = ((self.step_flops() * (1 + self.recomputed_fraction) + self.uneven_expert_flops())
+        matmul = ((self.step_flops() + self.step_flops(frozen_too=True) * self.recomputed_fraction
+                   + self.uneven_expert_flops())
                   / evaluated(self.matmul_speedup, self)
                   + evaluated(self.optimizer_flops, self)) / (hardware.matmul_tflops() * 1e12)
         facts = self.facts

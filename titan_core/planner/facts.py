@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import titan_core.attention as attention
 from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
+from titan_core.metrics import trained_flops_per_token
 from titan_core.moe.layer import MoE
 from titan_core.parameter_roles import parameter_role
 from titan_core.planner.cuda_autocast import cuda_autocast_policy
@@ -57,8 +58,10 @@ class ModelFacts:
     """One model's parameter counts and kept activations (bytes per token, in the dtype it was traced in).
 
     ``block_params[i]``/``block_saved[i]``: block ``i``; ``inputs_params``/``outputs_params``: the modules the
-    description names as run before / after the blocks (embeddings; final norm and output), ``outputs_trained``:
-    those of the latter that train (a frozen model's: none); ``outer_saved``:
+    description names as run before / after the blocks (embeddings; final norm and output); ``block_trained[i]``,
+    ``inputs_trained``, ``outputs_trained``, ``other_trained``: those of each that train (``requires_grad``: a frozen
+    model's adapters, a frozen stage's none), and ``trained_flops`` the training FLOPs per token it computes
+    (:func:`titan_core.metrics.trained_flops_per_token`); ``outer_saved``:
     what the inputs, outputs and the loss keep (the logits, in float32 for the loss), of which ``outer_logits``
     have the logits' shape (what loss parallel splits by vocabulary); ``block_input``: the
     residual stream entering a block, what full checkpointing keeps of it; ``block_stream_saved[i]``: the part
@@ -131,7 +134,11 @@ class ModelFacts:
     block_expert_input: tuple[float, ...]
     block_expert_copies: tuple[float, ...]
     block_expert_saved: tuple[float, ...]
+    block_trained: tuple[int, ...]
+    inputs_trained: int
     outputs_trained: int
+    other_trained: int
+    trained_flops: float | None
     block_weight_casts: tuple[int, ...]
     outer_weight_casts: int
 
@@ -547,14 +554,19 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
                  if p.grad is not None and id(p.grad.untyped_storage()) in tracer.alive}
     block_backward, loss_backward = tracer.backward_peaks(gradients, len(blocks))
     per_block, streams, outer, outer_logits = _saved_per_token(tracer, len(blocks), logits)
-    counts = {group: sum(p.numel() for path in paths or () for p in model.get_submodule(path).parameters())
-              for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
-    outputs_trained = sum(p.numel() for path in description.outputs or ()
-                          for p in model.get_submodule(path).parameters() if p.requires_grad)
+    ends = {group: [p for path in paths or () for p in model.get_submodule(path).parameters()]
+            for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
+    counts = {group: sum(p.numel() for p in parameters) for group, parameters in ends.items()}
+    trained = {group: sum(p.numel() for p in parameters if p.requires_grad) for group, parameters in ends.items()}
     block_params = tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
+    block_trained = tuple(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks)
     total = sum(p.numel() for p in model.parameters())
+    other_trained = (sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(block_trained)
+                     - trained["inputs"] - trained["outputs"])
     return ModelFacts(block_params=block_params, inputs_params=counts["inputs"], outputs_params=counts["outputs"],
-                      outputs_trained=outputs_trained,
+                      block_trained=block_trained, inputs_trained=trained["inputs"],
+                      outputs_trained=trained["outputs"], other_trained=other_trained,
+                      trained_flops=trained_flops_per_token(model, description, seq_len)[0],
                       other_params=total - sum(block_params) - counts["inputs"] - counts["outputs"],
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made),

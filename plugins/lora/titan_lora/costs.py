@@ -20,18 +20,17 @@ def plan_options():
 
 @hookimpl
 def estimate_costs(estimate, config, plugin_config, plan):
-    """lora: only the adapters train: gradients and optimizer states for their share of the model's size; the
-    model traced frozen, with its adapters; under a split of the linears (tensor parallel), each adapter's
-    factor left whole on every rank, and its low-rank input, which that factor makes."""
+    """lora: the model traced frozen, with its adapters (so the core counts only them as trained); under a split
+    of the linears (tensor parallel), each adapter's factor left whole on every rank, and its low-rank input,
+    which that factor makes."""
     model = build_meta_model(config, plan.model)
     narrow = sum(p.numel() for p in frozen_matmul_weights(model, plan.model))  # before the adapters join them
     adapt(model, plugin_config, plan)
     every = sum(p.numel() for p in model.parameters())
     whole, per_block = whole_factors(model, plan.model, plugin_config.targets)
     split = estimate.weight_split  # tensor parallel's, set before this plugin's stage
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # Each rank trains its share of the split factors and all of the whole ones.
-    estimate.trained_share = (trained + sum(whole) * (split - 1)) / every
+    # Each rank trains its share of the split factors (the core counts those) and all of the whole ones.
+    estimate.trained_whole = lambda e: sum(whole[i] for i in e.blocks) * (1 - 1 / split) / e.state_shards
     # The model is traced as this plugin converts it: a frozen weight's matmul keeps no input for its gradient,
     # a frozen norm no normalized input; each adapter keeps its own.
     estimate.trace_conversions[f"lora {plugin_config}"] = functools.partial(adapt, plugin_config=plugin_config,

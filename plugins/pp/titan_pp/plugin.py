@@ -17,8 +17,8 @@ import logging
 import torch
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from titan_core import (COMPILE, PIPELINE, PP, SPLIT_BACKWARD, ConfigError, Declaration, ModelDescription, drop,
-                        hookimpl, lacks)
+from titan_core import (COMPILE, PIPELINE, PP, SPLIT_BACKWARD, ConfigError, Declaration, ModelDescription,
+                        hookimpl, lacks, replace)
 from titan_pp.layout import Layout, schedule_kind, stage_layout
 
 log = logging.getLogger("titan_core")
@@ -77,7 +77,7 @@ def stage_module(model: torch.nn.Module, description: ModelDescription, layout: 
     dropped = (description.inputs if stage != 0 else ()) + (
         description.outputs if stage != layout.num_stages - 1 else ())
     for name in dropped:
-        drop(part, name)
+        replace(part, name, None)
     return part
 
 

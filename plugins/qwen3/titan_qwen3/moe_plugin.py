@@ -101,7 +101,8 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: init_buffers(part, args),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
-        experts=ExpertsLayout(module="mlp.experts", count=args.num_experts, linears=("gate_up_proj", "down_proj")),
+        experts=ExpertsLayout(module="mlp.experts", count=args.num_experts, linears=("gate_up_proj", "down_proj"),
+                              routed=args.num_experts_per_tok),
         # DeepSeek-V3's routing options compute what transformers' Qwen3-MoE does not: no HF folder claims it.
         hf=HFAdapter(config=hf_config(args), to_hf=qwen3.to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {},
