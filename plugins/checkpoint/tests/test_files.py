@@ -1,14 +1,17 @@
 """Saves visible only complete: a process killed at every step of publishing or deleting a checkpoint, and
 what the next start (``recover``) makes of the folder it left."""
 
+import errno
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from titan_checkpoint import files
-from titan_checkpoint.plugin import complete_checkpoints
+from titan_checkpoint.plugin import complete_checkpoints, storage_cause
 
 
 class Killed(Exception):
@@ -137,3 +140,29 @@ def test_a_long_run_keeps_only_the_deletions_under_way(tmp_path, deletions):
     assert len(deletions.under_way) == 1
     deletions.done()
     assert deletions.under_way == [] and list(tmp_path.iterdir()) == []
+
+
+SAVE_PAST_A_LIMIT = """
+import resource, sys, torch
+from titan_checkpoint.plugin import storage_cause
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # Python ignores SIGXFSZ: writes fail
+try:
+    torch.save(torch.zeros(10_000), sys.argv[1])
+except RuntimeError as error:
+    cause = storage_cause(error)
+    print(str(error).splitlines()[-1], cause.errno, cause.strerror, sep="|")
+"""
+
+
+def test_torchs_archive_writer_cut_short_is_a_storage_fault(tmp_path):
+    """torch.save to a path writes through a C++ stream that drops the OS's error (a full disk, a file-size limit)
+    and raises only "unexpected pos": the plugin takes it for the storage fault it is (exit 74, the checkpoint before
+    named) instead of a rank's crash (exit 1, three lines)."""
+    done = subprocess.run([sys.executable, "-c", SAVE_PAST_A_LIMIT, str(tmp_path / "weights.pt")], capture_output=True,
+                          text=True, timeout=300)
+    raised, code, reason = done.stdout.strip().split("|")
+    assert "[enforce fail at inline_container.cc" in raised and "unexpected pos" in raised, done.stderr
+    words = raised.rpartition("] . ")[2]
+    assert (int(code), reason) == (errno.EIO, "a file came out short, as on a full disk or past a file-size limit "
+                                              f"(torch: {words})")
+    assert storage_cause(RuntimeError("a tensor's size differs")) is None  # other errors stay a rank's failure

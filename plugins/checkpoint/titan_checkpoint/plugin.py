@@ -17,6 +17,7 @@ resumes from the newest complete ``step-N`` in its own folder before it looks at
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import re
 import shutil
@@ -331,11 +332,18 @@ class Checkpointer:
             self.deletions.close()
 
 
+ARCHIVE_CAME_OUT_SHORT = "unexpected pos"  # torch's archive writer (inline_container.cc) on a short write
+
+
 def storage_cause(error: BaseException) -> OSError | None:
     """The OS error under a failed write: the error itself, the first rank's in DCP's CheckpointException (which
-    wraps each rank's failure), or the one that caused it."""
+    wraps each rank's failure), or the one that caused it. torch's archive writer, saving to a path through a C++
+    stream, drops the OS's error and reports only that its file came out short: that is the storage's fault too."""
     if isinstance(error, OSError):
         return error
+    if isinstance(error, RuntimeError) and ARCHIVE_CAME_OUT_SHORT in str(error):
+        words = str(error).strip().splitlines()[-1].rpartition("] . ")[2]
+        return OSError(errno.EIO, f"a file came out short, as on a full disk or past a file-size limit (torch: {words})")
     if isinstance(error, CheckpointException):
         return next((cause for failure, _ in error.failures.values() if (cause := storage_cause(failure))), None)
     cause = error.__cause__ or error.__context__

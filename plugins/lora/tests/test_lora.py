@@ -405,6 +405,42 @@ def test_a_stored_factor_of_another_rank_is_refused_not_cut(start, tmp_path):
     assert f"has rank {2 * RANK}, not the plugins.lora.rank={RANK} its adapter_config.json says" in str(error)
 
 
+@pytest.mark.parametrize("other", ["wider", "deeper", "other-modules"])
+def test_an_adapter_of_another_base_is_refused_before_launch_and_merge_writes_nothing(start, tmp_path, other):
+    """An adapter trained on another model: wider (the same names, other widths: its factors were copied in cut to
+    fit, or training died in a copy), deeper (a block this model lacks) or on other modules. Refused before launch
+    naming a factor and the adapter's base; the merge tool refuses it from the files' headers, leaving no folder."""
+    base, _ = start
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96}
+    shape |= {"wider": {"intermediate_size": 128}, "deeper": {"num_hidden_layers": 3}, "other-modules": {}}[other]
+    donor = write_hf_folder(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **shape, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=2048, rms_norm_eps=1e-6,
+        rope_theta=20000.0, tie_word_embeddings=False)), tmp_path / "donor")
+    modules = ["q_proj", "v_proj"] if other == "other-modules" else MODULES
+    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(donor, dtype=torch.float32), peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=modules, lora_dropout=0.0)).save_pretrained(tmp_path / "adapter")
+    error = config_error("model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]", f"plugins.lora.rank={RANK}",
+                         f"plugins.lora.alpha={ALPHA}", f"plugins.lora.init_from={tmp_path / 'adapter'}")
+    assert error.field == "plugins.lora.init_from"
+    assert {"wider": f"{tmp_path / 'adapter'}'s base_model.model.model.layers.0.mlp.down_proj.lora_A.weight is "
+                     f"[{RANK}, 128], this model's adapter there [{RANK}, 96]: the adapter is of another model "
+                     f"(trained on {donor})",
+            "deeper": f"(trained on {donor}) has base_model.model.model.layers.2.",
+            "other-modules": f"(trained on {donor}) lacks base_model.model.model.layers.0.mlp.down_proj.lora_A"}[other] \
+        in str(error)
+    merged = subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(tmp_path / "adapter"),
+                             str(tmp_path / "merged")], capture_output=True, text=True)
+    if other == "other-modules":  # a subset of this model's weights: a merge onto it is what was asked
+        assert merged.returncode == 0, merged.stderr
+        return
+    assert merged.returncode == 1 and merged.stderr.strip().splitlines() == [{
+        "wider": f"titan-lora: error: {base}'s model.layers.0.mlp.down_proj.weight is [64, 96], the adapter's update "
+                 f"of it [64, 128]: {tmp_path / 'adapter'} was trained on another model (it was trained on {donor})",
+        "deeper": f"titan-lora: error: {base} lacks the weights the adapter changes (e.g. "
+                  f"model.layers.2.mlp.down_proj.weight): is it the adapter's base (it was trained on {donor})?"}[other]]
+    assert not list(tmp_path.glob("merged*"))
+
+
 def test_a_hugging_face_export_of_a_lora_model_is_refused_before_training(start, tmp_path):
     base, _ = start
     result = run_job(["model=hf", f"model.path={base}", "+plugins=[checkpoint,lora]", "plugins.checkpoint.export_hf=true",

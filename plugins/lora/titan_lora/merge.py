@@ -46,9 +46,29 @@ def adapter_updates(adapter: Path) -> dict[str, torch.Tensor]:
     return updates
 
 
+def check_base(base: Path, adapter: Path, updates: dict[str, torch.Tensor]) -> None:
+    """Every weight the adapter changes is in ``base`` with the shape of its update, read from the files' headers
+    before anything is written."""
+    shapes = {}
+    for file in sorted(base.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            shapes |= {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    trained_on = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    on = f" (it was trained on {trained_on})" if trained_on else ""
+    missing = sorted(updates.keys() - shapes.keys())
+    if missing:
+        raise ValueError(f"{base} lacks the weights the adapter changes (e.g. {missing[0]}): is it the adapter's "
+                         f"base{on}?")
+    for name, update in sorted(updates.items()):
+        if shapes[name] != tuple(update.shape):
+            raise ValueError(f"{base}'s {name} is {list(shapes[name])}, the adapter's update of it "
+                             f"{list(update.shape)}: {adapter} was trained on another model{on}")
+
+
 def merge(base: Path, adapter: Path, out: Path) -> int:
     """Write the merged folder; returns how many weights the adapter changed."""
     updates = adapter_updates(adapter)
+    check_base(base, adapter, updates)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -65,10 +85,6 @@ def merge(base: Path, adapter: Path, out: Path) -> int:
             tensors[name] = (tensors[name].double() + updates[name]).to(tensors[name].dtype)
             merged.add(name)
         save_file(tensors, partial / file.name, metadata=metadata)
-    if len(merged) != len(updates):
-        shutil.rmtree(partial)
-        missing = sorted(updates.keys() - merged)[0]
-        raise ValueError(f"{base} lacks the weights the adapter changes (e.g. {missing}): is it the adapter's base?")
     shutil.copyfile(base / "config.json", partial / "config.json")  # last: a folder with it is complete
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)

@@ -89,25 +89,48 @@ def validate_options(config, options, plan) -> None:
                               f"and {FIELD}.init_from=null")
     if text_or_null(options.init_from, f"{FIELD}.init_from"):
         folder = Path(options.init_from).expanduser()
-        check_peft_config(read_peft_config(folder), options, folder)
-        with safe_open(folder / "adapter_model.safetensors", "pt") as file:
-            shapes = {name: file.get_slice(name).get_shape() for name in file.keys()}
-        # The rank each stored factor must have: a stack's factors hold every expert's.
-        ranks = {peft_name(name, which, plan.model): options.rank
-                 for name in chosen_linears(model, plan.model, paths) for which in ("lora_A", "lora_B")}
-        ranks |= {peft_stack_name(name, stacks, stack, which, plan.model): options.rank * plan.model.experts.count
-                  for name in (chosen_experts(model, plan.model) if stacks else ())
-                  for stack in stacks for which in ("lora_A", "lora_B")}
-        if ranks.keys() != shapes.keys():
-            odd = sorted(ranks.keys() ^ shapes.keys())[0]
-            raise ConfigError(f"{FIELD}.init_from", f"{folder} {'lacks' if odd in ranks else 'has'} {odd} for "
-                              f"targets {list(options.targets)}", "set plugins.lora.targets to the adapter's modules")
-        for name, rank in ranks.items():
-            stored = shapes[name][0 if ".lora_A." in name else -1]
-            if stored != rank:  # copied into a smaller adapter, a factor would be cut, not refused
-                raise ConfigError(f"{FIELD}.init_from", f"{folder}'s {name} has rank {stored}, not the "
-                                  f"{FIELD}.rank={options.rank} its adapter_config.json says",
-                                  "export the adapter again with PEFT (save_pretrained)")
+        peft = read_peft_config(folder)
+        check_peft_config(peft, options, folder)
+        check_factor_shapes(folder, factor_shapes(model, plan.model, options, paths, stacks), options,
+                            peft.get("base_model_name_or_path"))
+
+
+def factor_shapes(model, description, options, paths, stacks) -> dict[str, tuple[int, int]]:
+    """The shape of each factor a PEFT adapter of ``options`` holds for ``model``, by PEFT's name: (rank, in) and
+    (out, rank) of a linear's; a stack's hold every expert's, (experts x rank, in) and (out, rank x experts)."""
+    shapes = {}
+    for name, linear in chosen_linears(model, description, paths).items():
+        shapes[peft_name(name, "lora_A", description)] = (options.rank, linear.in_features)
+        shapes[peft_name(name, "lora_B", description)] = (linear.out_features, options.rank)
+    for name, experts in (chosen_experts(model, description) if stacks else {}).items():
+        for stack in stacks:
+            count, out, inputs = getattr(experts, stack).shape
+            shapes[peft_stack_name(name, stacks, stack, "lora_A", description)] = (options.rank * count, inputs)
+            shapes[peft_stack_name(name, stacks, stack, "lora_B", description)] = (out, options.rank * count)
+    return shapes
+
+
+def check_factor_shapes(folder: Path, expected: dict[str, tuple[int, int]], options, trained_on: str | None) -> None:
+    """The adapter in ``folder`` holds exactly the factors ``expected`` names, at those shapes (read from the file's
+    header): an adapter of another rank or of another base model is refused before launch, never cut to fit."""
+    with safe_open(folder / "adapter_model.safetensors", "pt") as file:
+        stored = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
+    on = f" (trained on {trained_on})" if trained_on else ""
+    if expected.keys() != stored.keys():
+        odd = sorted(expected.keys() ^ stored.keys())[0]
+        raise ConfigError(f"{FIELD}.init_from", f"{folder}{on} {'lacks' if odd in expected else 'has'} {odd} for "
+                          f"targets {list(options.targets)}", "set plugins.lora.targets to the adapter's modules, "
+                          "or start from an adapter of this model")
+    for name, shape in sorted(expected.items()):
+        rank_at = 0 if ".lora_A." in name else -1
+        if stored[name][rank_at] != shape[rank_at]:  # copied into a smaller adapter, a factor would be cut
+            raise ConfigError(f"{FIELD}.init_from", f"{folder}'s {name} has rank {stored[name][rank_at]}, not the "
+                              f"{FIELD}.rank={options.rank} its adapter_config.json says",
+                              "export the adapter again with PEFT (save_pretrained)")
+        if stored[name] != shape:
+            raise ConfigError(f"{FIELD}.init_from", f"{folder}'s {name} is {list(stored[name])}, this model's "
+                              f"adapter there {list(shape)}: the adapter is of another model{on}",
+                              "start from an adapter trained on this model (model.path)")
 
 
 def adapt(model, plugin_config, plan) -> set[str]:

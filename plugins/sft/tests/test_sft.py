@@ -195,3 +195,22 @@ def test_a_conversation_file_cut_short_is_named_with_its_line(tokenizer_folder, 
     lines = len(whole.splitlines()) + 1
     assert str(error) == (f"plugins.sft.path: {cut} line {lines} is not whole JSON (the file was cut short?); fix: "
                           "remove the line, or copy the file again")
+
+
+@pytest.mark.parametrize("bad_rows", ["skip", "stop"])
+def test_a_chat_template_that_is_not_valid_jinja_is_named_with_its_error(tokenizer_folder, tmp_path, bad_rows):
+    """A template with a Jinja syntax error renders no row: named with its line and Jinja's words (it was reported as
+    "0 usable conversations, fewer than the rows of a batch" under skip, or as the first row's problem under stop)."""
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for message in messages %}\n{{ message.content }}\n{% endfor")
+    error = config_error(*sft_job(tokenizer_folder), f"plugins.sft.chat_template={template}",
+                         f"plugins.sft.bad_rows={bad_rows}")
+    assert str(error) == (f"plugins.sft.chat_template: {template} is not valid Jinja: line 3: unexpected end of "
+                          "template, expected 'end of statement block'.; fix: correct the template, or point "
+                          "plugins.sft.chat_template at another")
+    saved = tmp_path / "saved"
+    shutil.copytree(tokenizer_folder, saved)
+    (saved / "chat_template.jinja").write_text("{{ messages[0].content }")
+    error = config_error(*sft_job(saved))
+    assert str(error).startswith(f"plugins.sft.chat_template: {saved / 'chat_template.jinja'} is not valid Jinja: "
+                                 "line 1: ")

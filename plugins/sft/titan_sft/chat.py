@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2 import TemplateSyntaxError
 from transformers import PreTrainedTokenizerFast
 
 from titan_core import ConfigError
@@ -35,16 +36,17 @@ class Example:
     kind: str | None = None
 
 
-def find_chat_template(tokenizer_json: Path, chat_template: str | None, field: str) -> str:
-    """The template's text: the file ``chat_template`` names, else the one saved beside the tokenizer."""
+def find_chat_template(tokenizer_json: Path, chat_template: str | None, field: str) -> tuple[str, str]:
+    """The template's text and where it was found: the file ``chat_template`` names, else the one saved beside
+    the tokenizer."""
     if chat_template is not None:
         path = Path(chat_template).expanduser()
         if not path.is_file():
             raise ConfigError(field, f"{path} is not a file", "point it at a Jinja chat template (.jinja)")
-        return path.read_text()
+        return path.read_text(), str(path)
     folder = tokenizer_json.parent
     if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
+        return (folder / "chat_template.jinja").read_text(), str(folder / "chat_template.jinja")
     saved = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") if (
         folder / "tokenizer_config.json").is_file() else None
     if isinstance(saved, list):  # several named templates: the default one
@@ -52,18 +54,19 @@ def find_chat_template(tokenizer_json: Path, chat_template: str | None, field: s
     if not saved:
         raise ConfigError(field, f"the tokenizer in {folder} has no chat template (neither tokenizer_config.json's "
                           "chat_template nor chat_template.jinja)", "set it to a Jinja chat template file")
-    return saved
+    return saved, f"{folder / 'tokenizer_config.json'}'s chat_template"
 
 
 class ChatRenderer:
     """Turns a conversation into an :class:`Example` of at most ``max_tokens`` tokens starting with ``bos_id``."""
 
     def __init__(self, tokenizer_json: Path, template: str, bos_token: str, eos_token: str, bos_id: int,
-                 max_tokens: int):
+                 max_tokens: int, source: str = "the chat template"):
+        """``source``: where ``template`` comes from, named when it is not valid Jinja."""
         self.tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), bos_token=bos_token,
                                                  eos_token=eos_token)
         self.tokenizer.chat_template = template
-        self.bos_id, self.max_tokens = bos_id, max_tokens
+        self.bos_id, self.max_tokens, self.source = bos_id, max_tokens, source
 
     def render(self, messages, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -83,6 +86,10 @@ class ChatRenderer:
                     return Example(problem="the chat template renders an earlier turn differently once later "
                                            "turns follow", kind="not prefix-stable under the template")
                 replies.append((len(before), len(through)))
+        except TemplateSyntaxError as error:  # no row can render: the template's own fault, not the data's
+            raise ConfigError("plugins.sft.chat_template", f"{self.source} is not valid Jinja: line {error.lineno}: "
+                              f"{error.message}", "correct the template, or point plugins.sft.chat_template at "
+                              "another") from None
         except Exception as error:  # a template raising on this row (jinja's raise_exception)
             return Example(problem=f"the chat template failed: {str(error).splitlines()[0] if str(error) else error}",
                            kind="refused by the template")

@@ -162,6 +162,6 @@ def _renderer(config, plugin_config, bos_id: int) -> ChatRenderer:
     if tokenizer_json is None:
         raise ConfigError("tokenizer.path", "the byte-level tokenizer has no chat template",
                           "use a Hugging Face tokenizer (model=hf takes the folder's)")
-    template = find_chat_template(tokenizer_json, plugin_config.chat_template, "plugins.sft.chat_template")
+    template, source = find_chat_template(tokenizer_json, plugin_config.chat_template, "plugins.sft.chat_template")
     return ChatRenderer(tokenizer_json, template, config.tokenizer.bos_token, config.tokenizer.eos_token, bos_id,
-                        config.training.seq_len + 1)
+                        config.training.seq_len + 1, source)
