@@ -71,6 +71,17 @@ def test_a_flipped_byte_in_a_shard_stops_the_run_before_it_is_trained_on(damaged
     assert result.metrics == []  # not one step trained
 
 
+def test_a_damaged_shard_under_several_workers_is_one_line_on_the_console_and_exit_2(damaged, tmp_path):
+    """Both ranks of fsdp 2 read the damaged block: the console had each rank's line and the launcher's "worker rank
+    0 failed (exit code 2); see .../rank0.log", and the job exited 1. Now the first rank's line alone, exit 2."""
+    folder = damaged([65, 66, 67])
+    result = run_job([*TOKENS, f"data.path={folder}", "+plugins=[fsdp]", "plugins.fsdp.degree=2"], tmp_path / "run",
+                     expect_success=False)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("titan-core:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"titan-core: error: data.path: {folder}/tokens-00000.bin: bytes 0-")
+
+
 def test_skipping_damaged_data_trains_on_the_rest_and_counts_it(damaged, tmp_path):
     folder = damaged([65, 66, 67])
     result = run_job([*TOKENS, f"data.path={folder}", "data.damaged=skip"], tmp_path / "run")

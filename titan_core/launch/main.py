@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from titan_core.data import reads_text
-from titan_core.errors import EXIT_BAD_INPUT, ConfigError
+from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError
 from titan_core.job.command_line import check_command_line, register_with_hydra
 from titan_core.job.model_folder import apply_model_folder
 from titan_core.job.run_dir import under_torchrun
@@ -119,8 +119,7 @@ def launch_workers(config, run_dir: Path, world_size: int, nodes: Nodes) -> None
     except SignalException as stop:
         sys.exit(exit_code(stop.sigval))
     except ChildFailedError as error:
-        _report_failures(error, run_dir, launch_config.nproc_per_node, started)
-        sys.exit(1)
+        sys.exit(_report_failures(error, run_dir, launch_config.nproc_per_node, started))
 
 
 def _start_quiet_resource_tracker() -> None:
@@ -141,14 +140,18 @@ def _start_quiet_resource_tracker() -> None:
 _TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
-def _report_failures(error: ChildFailedError, run_dir: Path, local_workers: int, started: float) -> None:
+def _report_failures(error: ChildFailedError, run_dir: Path, local_workers: int, started: float) -> int:
     """One line for the worker the elastic agent saw fail, and one for each of this node's workers that died of a
     native crash: the agent reports the first worker it finds dead, often one that failed only because a crashed
-    peer closed its connections, and a crashed worker cannot print its own line."""
+    peer closed its connections, and a crashed worker cannot print its own line. A worker that exited for bad input
+    or a storage fault has printed its own line, whose exit code the job's is; any other failure's is 1."""
     failures = sorted(error.failures.items())
     first_local = failures[0][0] - failures[0][1].local_rank
     crashes = {rank: crash for rank in range(first_local, first_local + local_workers)
                if (crash := native_crash(run_dir, rank, started))}
+    said = {failure.exitcode for _, failure in failures} & {EXIT_BAD_INPUT, EXIT_STORAGE}
+    if not crashes and len(said) == len({failure.exitcode for _, failure in failures}) == 1:
+        return said.pop()
     for rank, failure in failures:
         if rank not in crashes:
             # The agent's own message is the signal again, or a pointer to its docs on error files.
@@ -157,6 +160,7 @@ def _report_failures(error: ChildFailedError, run_dir: Path, local_workers: int,
     for crashed, crash in crashes.items():
         print(f"titan-core: worker rank {crashed} crashed ({crash}); its stack is in {rank_log(run_dir, crashed)}",
               file=sys.stderr)
+    return 1
 
 
 def _worker_imports(config) -> list[str]:

@@ -82,11 +82,14 @@ def train(config, run_dir: Path, own_crash_line: bool = False) -> signal.Signals
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:  # a library's own BaseException too (DCP's CheckpointException)
-        first = first_failure(store, f"rank {rank}: {type(error).__name__}: {_last_line(error)}")
+        said = f"{type(error).__name__}: {_last_line(error)}"
+        first = first_failure(store, f"rank {rank}: {said}")
         if hooks is not None:
             _tell_plugins(hooks, error if first is None else reached(error, first),
                           trainer.state.step if trainer is not None else 0, config)
-        raise SystemExit(_one_line(error, rank, run_dir, config)) from None
+        # Ranks that read the same bad shard fail alike: the first one's line says it for all.
+        echoed = first is not None and first.endswith(f": {said}")
+        raise SystemExit(_one_line(error, rank, run_dir, config, echoed)) from None
     finally:
         dist.destroy_process_group()
 
@@ -137,17 +140,20 @@ def _last_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[-1]
 
 
-def _one_line(error: BaseException, rank: int, run_dir: Path, config) -> int:
-    """Print the one line a user sees for ``error`` (its traceback goes to this rank's log); the exit code."""
+def _one_line(error: BaseException, rank: int, run_dir: Path, config, echoed: bool = False) -> int:
+    """Print the one line a user sees for ``error`` (its traceback goes to this rank's log), unless ``echoed``: the
+    same bad input or storage fault another rank has printed first. Returns the exit code."""
     if isinstance(error, StorageError):
         log.exception("rank %d: storage fault", rank)
-        print(f"titan-core: storage: rank {rank}: {error}", file=sys.stderr, flush=True)
+        if not echoed:
+            print(f"titan-core: storage: rank {rank}: {error}", file=sys.stderr, flush=True)
         return EXIT_STORAGE
     if isinstance(error, (ConfigError, FloatingPointError)):
         # Bad input found only once the model exists, or a diverged run.
         kind, code = ("error", EXIT_BAD_INPUT) if isinstance(error, ConfigError) else ("stopped", 1)
         log.error("%s", error)
-        print(f"titan-core: {kind}: {error}", file=sys.stderr, flush=True)
+        if not echoed:
+            print(f"titan-core: {kind}: {error}", file=sys.stderr, flush=True)
         return code
     log.exception("rank %d failed", rank)
     message = str(error).lower()
