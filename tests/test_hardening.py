@@ -40,7 +40,7 @@ from titan_core.data.text import check_documents
 from titan_core.data.tokens import CHECKSUM_BLOCK, Samples, TokenLoader, TokenShards
 from titan_core.errors import ConfigError
 from titan_core.forked_jobs import FRESH
-from titan_core.testing import TINY, error_line, install_plugins, run_job
+from titan_core.testing import TINY, config_error, error_line, install_plugins, run_job
 
 SEQ = 32
 
@@ -375,3 +375,51 @@ def test_an_unreachable_hub_is_one_line_within_seconds(monkeypatch):
     assert time.monotonic() - start < 5
     assert "the Hub dataset 'someone/corpus' cannot be opened: https://hub.invalid cannot be reached" in str(
         error.value)
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (("+plugins=[ac]", "plugins.ac.mode=full", "plugins.ac.matmuls=every_other"), "plugins.ac.matmuls",
+     "every_other does nothing unless plugins.ac.mode=selective_op; fix: set plugins.ac.mode=selective_op, or leave "
+     "plugins.ac.matmuls at its default (all)"),
+    (("+plugins=[ac]", "plugins.ac.every=3"), "plugins.ac.every",
+     "3 does nothing unless plugins.ac.mode=selective_layer"),
+    (("+plugins=[ac]", "plugins.ac.mode=selective_layer", "plugins.ac.save_ops=[mm]"), "plugins.ac.save_ops",
+     "[mm] does nothing unless plugins.ac.mode=selective_op"),
+    (("+plugins=[checkpoint]", "plugins.checkpoint.async_writer=process"), "plugins.checkpoint.async_writer",
+     "process does nothing unless plugins.checkpoint.async_save=true"),
+    (("+plugins=[checkpoint]", "plugins.checkpoint.load_parts=[model]"), "plugins.checkpoint.load_parts",
+     "[model] does nothing unless plugins.checkpoint.load_path names a checkpoint"),
+    (("+plugins=[checkpoint]", "plugins.checkpoint.export_dtype=bfloat16"), "plugins.checkpoint.export_dtype",
+     "bfloat16 does nothing unless plugins.checkpoint.final_model_only=true or export_hf=true"),
+    (("data.damaged=skip",), "data.damaged", "needs data.source=tokens (data.source is builtin)"),
+], ids=["ac-matmuls", "ac-every", "ac-save_ops", "async_writer", "load_parts", "export_dtype", "damaged-text"])
+def test_an_option_that_would_do_nothing_is_refused_naming_what_it_needs(overrides, field, words):
+    """Each was accepted and did nothing: an option that acts only beside another setting, set without it. The
+    plugins declare the rule (Declaration.acts_only); the same options at their defaults, or beside what they need,
+    pass."""
+    error = config_error(*TINY, *overrides)
+    assert error.field == field and words in str(error), str(error)
+
+
+ACTS_ONLY = """
+from titan_core import Declaration, hookimpl
+
+
+@hookimpl
+def declare():
+    \"\"\"warmup: its length acts only when it is on.\"\"\"
+    return Declaration(acts_only={"steps": ("plugins.warmup.enabled=true",
+                                            lambda options, config: options.enabled)})
+"""
+
+
+def test_a_plugin_written_from_the_docs_declares_an_option_that_acts_only_beside_another(tmp_path):
+    env = install_plugins(tmp_path / "site", {"warmup": (ACTS_ONLY, "enabled: false\nsteps: 10\n")}, "warmup-plugin")
+    refused = run_job([*TINY, "+plugins=[warmup]", "plugins.warmup.steps=20"], tmp_path / "refused",
+                      expect_success=False, env=env)
+    assert error_line(refused) == ("titan-core: error: plugins.warmup.steps: 20 does nothing unless "
+                                   "plugins.warmup.enabled=true; fix: set plugins.warmup.enabled=true, or leave "
+                                   "plugins.warmup.steps at its default (10)")
+    trained = run_job([*TINY, "training.steps=1", "+plugins=[warmup]", "plugins.warmup.steps=20",
+                       "plugins.warmup.enabled=true"], tmp_path / "trained", env=env)
+    assert trained.metrics[-1]["step"] == 1

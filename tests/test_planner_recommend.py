@@ -23,7 +23,7 @@ def test_recommend_ranks_the_plans_that_fit_and_they_run_as_printed(tmp_path):
     from titan_core.launch.prepare import prepare
 
     text = recommendations(["--hardware", "a100", "--recommend", *SMALL, "launch.world_size=4",
-                            "+plugins=[fsdp,tp,ac]", "plugins.ac.every=3"])
+                            "+plugins=[fsdp,tp,ac]", "plugins.ac.save_ops=[mm]"])
     header, *lines = text.splitlines()
     # fsdp (one option on one node) x tp (off, 2: the tiny model's 2 key/value heads) x ac (off, selective keeping
     # all matmuls or every other, full)
@@ -34,7 +34,8 @@ def test_recommend_ranks_the_plans_that_fit_and_they_run_as_printed(tmp_path):
         overrides = line.split("python -m titan_core.run ")[1].split()
         assert overrides[:len(SMALL)] == list(SMALL)
         enabled = next(o for o in overrides if o.startswith("+plugins="))[len("+plugins=["):-1].split(",")
-        assert ("plugins.ac.every=3" in overrides) == ("ac" in enabled)  # the user's setting stays with its plugin
+        # The user's setting stays with its plugin where it acts (refused by run where it would do nothing).
+        assert ("plugins.ac.save_ops=[mm]" in overrides) == ("plugins.ac.mode=selective_op" in overrides)
         prepare(compose(*overrides), job_nodes())  # a printed plan is one run accepts
 
 

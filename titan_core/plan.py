@@ -1,16 +1,16 @@
 """The plan of a job: which plugins take part, in what order, on what device mesh.
 
-Every enabled plugin declares what it contributes (:class:`Declaration`); this module orders the
-declarations, checks that their capabilities fit together and sizes the mesh, the same way in the launcher
-and in every worker. It is pure arithmetic on the declarations: finding the plugins and calling their hooks
-is :mod:`titan_core.plugins`' job.
+Every enabled plugin declares what it contributes (:class:`Declaration`); this module orders the declarations, checks
+that their capabilities fit together and sizes the mesh, the same way in the launcher and in every worker. It is
+pure arithmetic on the declarations: finding the plugins and calling their hooks is :mod:`titan_core.plugins`' job.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from titan_core.description import ModelDescription
 from titan_core.errors import ConfigError
@@ -60,7 +60,10 @@ class Declaration:
     core's (``MESH_DIMS``) or one that ``dimensions`` defines (:class:`MeshDimension`). ``options`` names,
     for a dimension of ``mesh``, the plugin's option that sets its degree when it is not ``degree``: errors
     about that degree name it. ``provides`` and ``requires`` name capabilities (:mod:`titan_core.capabilities`).
-    ``optimizer_options``: of a plugin building the optimizer, the ``optimizer.*`` options it honours.
+    ``optimizer_options``: of a plugin building the optimizer, the ``optimizer.*`` options it honours. ``acts_only``:
+    its options that act only beside another setting, ``{option: (condition, acts)}``: ``acts(plugin_config,
+    config)`` tells whether the option acts, ``condition`` says when as a user sets it (``plugins.ac.mode=full``);
+    set away from its default where it would do nothing, the option is refused before launch.
     """
 
     stage: int | None = None
@@ -70,6 +73,7 @@ class Declaration:
     dimensions: Mapping[str, MeshDimension] = field(default_factory=dict)
     options: Mapping[str, str] = field(default_factory=dict)
     optimizer_options: frozenset[str] = frozenset()
+    acts_only: Mapping[str, tuple[str, Callable[[Any, Any], bool]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

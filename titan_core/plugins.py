@@ -1,10 +1,10 @@
 """Find the installed plugins, make the run's plugin objects, and call their hooks the core's way.
 
-pluggy finds and checks the implementations; the core decides who is called and in what order. Each
-plugin is called on its own, with its own options (``plugin_config``), through pluggy's hook callers
-(``subset_hook_caller``), in plan order for ordered hooks and events, or alone for a builder. Because
-no call spans several plugins, pluggy's ordering options (``tryfirst``, ``trylast``) and wrappers have
-nothing to act on: an implementation that asks for them is refused before launch, never silently ignored.
+pluggy finds and checks the implementations; the core decides who is called and in what order. Each plugin is
+called on its own, with its own options (``plugin_config``), through pluggy's hook callers (``subset_hook_caller``),
+in plan order for ordered hooks and events, or alone for a builder. Because no call spans several plugins, pluggy's
+ordering options (``tryfirst``, ``trylast``) and wrappers have nothing to act on: an implementation that asks for
+them is refused before launch, never silently ignored.
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ UNHONOURED = ("wrapper", "hookwrapper", "tryfirst", "trylast")
 
 
 def installed_plugins() -> dict[str, EntryPoint]:
-    """Entry points of ``titan_core.plugins`` by name; two distributions using one name is an error.
-
-    pluggy's own loader would silently keep the first of two, so the core checks this itself.
-    """
+    """Entry points of ``titan_core.plugins`` by name; two distributions using one name is an error (pluggy's own
+    loader would silently keep the first of two, so the core checks this itself)."""
     return _entry_points(PLUGIN_GROUP, "plugins")
 
 
@@ -53,11 +51,9 @@ def _entry_points(group: str, field_prefix: str) -> dict[str, EntryPoint]:
     for ep in entry_points(group=group):
         other = found.get(ep.name)
         if other is not None and other.value != ep.value:
-            raise ConfigError(
-                f"{field_prefix}.{ep.name}",
-                f"two installed distributions register '{ep.name}' in {group} "
-                f"({distribution_name(other)}: {other.value}; {distribution_name(ep)}: {ep.value})",
-                "uninstall one of them (pip uninstall ...)")
+            raise ConfigError(f"{field_prefix}.{ep.name}", f"two installed distributions register '{ep.name}' in "
+                              f"{group} ({distribution_name(other)}: {other.value}; {distribution_name(ep)}: "
+                              f"{ep.value})", "uninstall one of them (pip uninstall ...)")
         found[ep.name] = ep
     return found
 

@@ -101,7 +101,8 @@ def check_data(config) -> None:
     if data.damaged not in DAMAGED:
         raise ConfigError("data.damaged", f"unknown policy '{data.damaged}'", f"use one of {', '.join(DAMAGED)}")
     if data.source != "tokens":
-        for option, value in (("mixture", data.mixture), ("shuffle", data.shuffle)):
+        # Only token shards are checksummed: on documents, skipping damaged data would do nothing.
+        for option, value in (("mixture", data.mixture), ("shuffle", data.shuffle), ("damaged", data.damaged == "skip")):
             if value:
                 raise ConfigError(f"data.{option}", f"needs data.source=tokens (data.source is {data.source})",
                                   "prepare the data once with python -m titan_core.data.prepare and train with "

@@ -21,7 +21,7 @@ from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
 from titan_core.parameter_roles import check_param_group_rules
 from titan_core.plan import CP, TP, Plan
-from titan_core.job.schema import core_defaults
+from titan_core.job.schema import core_defaults, plugin_defaults, show
 from titan_core.plugins import Registry
 
 
@@ -181,6 +181,19 @@ def check_optimizer_options(config, plan: Plan, registry: Registry) -> None:
             raise ConfigError(f"optimizer.{key}", f"is set to {value!r}, and plugin '{owner}' builds the optimizer "
                               f"without it (it honours {kept})", f"remove the override of optimizer.{key}, or "
                               f"use {owner}'s own options (docs)")
+
+
+def check_options_that_act(config, plan: Plan) -> None:
+    """An option a plugin declares acting only beside another setting (``Declaration.acts_only``), set away from
+    its default where it would do nothing, is refused naming the setting it needs: a silent mistake otherwise."""
+    for plugin in plan.plugins:
+        options, defaults = config.plugins[plugin.name], plugin_defaults(plugin.name)
+        for option, (condition, acts) in plugin.declaration.acts_only.items():
+            value = OmegaConf.to_container(options)[option]
+            if value != defaults.get(option) and not acts(options, config):
+                raise ConfigError(f"plugins.{plugin.name}.{option}", f"{show(value)} does nothing unless {condition}",
+                                  f"set {condition}, or leave plugins.{plugin.name}.{option} at its default "
+                                  f"({show(defaults.get(option))})")
 
 
 def device_memory(configured_device: str | None) -> int:

@@ -110,14 +110,14 @@ def _kind(default) -> str:
     return f"a list{item}"
 
 
-def _show(value) -> str:
+def show(value) -> str:
     """``value`` written as on the command line."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):
-        return f"[{','.join(map(_show, value[:2]))}{',...' if len(value) > 2 else ''}]"
+        return f"[{','.join(map(show, value[:2]))}{',...' if len(value) > 2 else ''}]"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_show(v)}" for k, v in list(value.items())[:2]) + (",...}" if len(value) > 2 else "}")
+        return "{" + ",".join(f"{k}:{show(v)}" for k, v in list(value.items())[:2]) + (",...}" if len(value) > 2 else "}")
     return str(value)
 
 
@@ -147,7 +147,7 @@ def check_kinds(values: dict, defaults: dict, prefix: str, nullable=()) -> None:
         elif not _fits(value, default):
             kind = _kind(default)
             quote = f" (quote it: {field}=\"'{value}'\")" if kind == "a string" and value is not None else ""
-            raise ConfigError(field, f"{value!r} is not {kind}", f"set {field} to {kind}, e.g. {_show(default)}{quote}")
+            raise ConfigError(field, f"{value!r} is not {kind}", f"set {field} to {kind}, e.g. {show(default)}{quote}")
 
 
 def check_config_kinds(config) -> None:

@@ -134,9 +134,11 @@ def recommendations(argv: list[str]) -> str:
     for candidate in best:
         enabled = candidate.overrides[0][len("+plugins=["):-1].split(",")
         chosen = {o.partition("=")[0] for o in candidate.overrides[1:]}
-        # The user's own settings stay, those of a plugin the plan leaves out or sets otherwise excepted.
+        # The user's own settings stay, those of a plugin the plan leaves out or sets otherwise excepted, and those
+        # that would do nothing in it (ac's every beside a mode other than selective_layer), which run refuses.
         kept = [o for o in overrides if not o.startswith(("+plugins", "plugins.")) or (
-            o.startswith("plugins.") and o.split(".")[1] in enabled and o.partition("=")[0] not in chosen)]
+            o.startswith("plugins.") and o.split(".")[1] in enabled and o.partition("=")[0] not in chosen
+            and o.partition("=")[0] not in candidate.inert)]
         lines.append(f"  {candidate.tokens_per_device:,.0f} tokens/s/device, {candidate.memory_gib:.1f} GiB: "
                      f"python -m titan_core.run {' '.join([*kept, *candidate.overrides])}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ class Candidate:
     overrides: tuple[str, ...]  # what the plan sets, as command-line overrides
     tokens_per_device: float
     memory_gib: float
+    inert: frozenset[str] = frozenset()  # the options that would do nothing in this plan (Declaration.acts_only)
 
 
 def candidate_overrides(choice: dict[str, dict | None]) -> tuple[str, ...]:
@@ -81,4 +82,6 @@ def _estimated(config, choice: dict, registry: Registry, hardware: Hardware, voc
             raise
         return None  # a plan some plugin or the core refuses is not a candidate
     rank = result.most_loaded()
-    return Candidate(candidate_overrides(choice), rank.tokens_per_device(), sum(rank.memory().values()) / GIB)
+    inert = frozenset(f"plugins.{p.name}.{option}" for p in plan.plugins
+                      for option, (_, acts) in p.declaration.acts_only.items() if not acts(job.plugins[p.name], job))
+    return Candidate(candidate_overrides(choice), rank.tokens_per_device(), sum(rank.memory().values()) / GIB, inert)

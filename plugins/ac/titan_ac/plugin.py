@@ -36,7 +36,11 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
 
 @hookimpl
 def declare():
-    return Declaration(stage=STAGE)
+    """ac: its stage, and which options act only in one mode."""
+    selective_op = ("plugins.ac.mode=selective_op", lambda options, config: options.mode == "selective_op")
+    return Declaration(stage=STAGE, acts_only={
+        "every": ("plugins.ac.mode=selective_layer", lambda options, config: options.mode == "selective_layer"),
+        "save_ops": selective_op, "matmuls": selective_op})
 
 
 @hookimpl

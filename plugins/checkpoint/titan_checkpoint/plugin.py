@@ -374,8 +374,13 @@ class CheckpointPlugin:
 
     @hookimpl
     def declare(self):
-        """checkpoint: provides checkpointing."""
-        return Declaration(provides=frozenset({CHECKPOINTING}))
+        """checkpoint: provides checkpointing; some options act only beside another."""
+        return Declaration(provides=frozenset({CHECKPOINTING}), acts_only={
+            "async_writer": ("plugins.checkpoint.async_save=true", lambda options, config: options.async_save),
+            "load_parts": ("plugins.checkpoint.load_path names a checkpoint",
+                           lambda options, config: options.load_path is not None),
+            "export_dtype": ("plugins.checkpoint.final_model_only=true or export_hf=true",
+                             lambda options, config: options.final_model_only or options.export_hf)})
 
     @hookimpl
     def validate(self, config, plugin_config, plan):

@@ -214,3 +214,10 @@ def test_a_chat_template_that_is_not_valid_jinja_is_named_with_its_error(tokeniz
     error = config_error(*sft_job(saved))
     assert str(error).startswith(f"plugins.sft.chat_template: {saved / 'chat_template.jinja'} is not valid Jinja: "
                                  "line 1: ")
+
+
+def test_a_hub_datasets_split_set_for_a_local_file_is_refused(tokenizer_folder):
+    """name and split choose among a hub dataset's; beside a local file they did nothing, silently."""
+    error = config_error(*sft_job(tokenizer_folder), "plugins.sft.split=test")
+    assert str(error) == ("plugins.sft.split: test does nothing unless plugins.sft.path=<a hub dataset>; fix: set "
+                          "plugins.sft.path=<a hub dataset>, or leave plugins.sft.split at its default (train)")

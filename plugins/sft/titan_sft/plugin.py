@@ -17,7 +17,7 @@ from pathlib import Path
 import datasets
 from datasets import load_dataset
 
-from titan_core import ConfigError, hookimpl, load_tokenizer, text_or_null, tokenizer_file
+from titan_core import ConfigError, Declaration, hookimpl, load_tokenizer, text_or_null, tokenizer_file
 from titan_sft.chat import ChatRenderer, find_chat_template
 from titan_sft.rows import ChatRows
 
@@ -31,6 +31,13 @@ class SftPlugin:
 
     def __init__(self):
         self.source: tuple | None = None  # this run's renderer and dataset, once a worker has read them
+
+    @hookimpl
+    def declare(self):
+        """sft: name and split choose among a hub dataset's, and mean nothing for local files."""
+        hub = ("plugins.sft.path=<a hub dataset>",
+               lambda options, config: options.path is not None and not Path(options.path).expanduser().exists())
+        return Declaration(acts_only={"name": hub, "split": hub})
 
     @hookimpl
     def validate(self, config, plugin_config):
