@@ -33,7 +33,6 @@ def test_recommend_ranks_the_plans_that_fit_and_they_run_as_printed(tmp_path):
     for line in lines:
         overrides = line.split("python -m titan_core.run ")[1].split()
         assert overrides[:len(SMALL)] == list(SMALL)
-        enabled = next(o for o in overrides if o.startswith("+plugins="))[len("+plugins=["):-1].split(",")
         # The user's setting stays with its plugin where it acts (refused by run where it would do nothing).
         assert ("plugins.ac.save_ops=[mm]" in overrides) == ("plugins.ac.mode=selective_op" in overrides)
         prepare(compose(*overrides), job_nodes())  # a printed plan is one run accepts
