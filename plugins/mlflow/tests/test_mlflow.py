@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -91,3 +92,55 @@ def test_tags_that_are_not_a_mapping_are_refused_before_launch():
     assert str(config_error("+plugins=[mlflow]", *TINY, "plugins.mlflow.tags=[llm]")) == (
         "plugins.mlflow.tags: ['llm'] is not a mapping; fix: give names and values, e.g. "
         "'plugins.mlflow.tags={team: llm}'")
+
+
+def test_a_store_that_cannot_track_is_refused_before_launch(tmp_path, monkeypatch):
+    """A folder store under a file, a database the installed client cannot serve (MLflow's own default is a SQLite
+    file: this client is mlflow-skinny), a server that does not answer: each was a traceback after the workers
+    started, or minutes of retries. One line before launch naming the option."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "a-file").write_text("")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cases = {f"file:{tmp_path / 'a-file' / 'mlruns'}": f"file:{tmp_path / 'a-file' / 'mlruns'}: {tmp_path / 'a-file'} "
+                                                        "is not a folder",
+             "sqlite:///runs.db": "sqlite:///runs.db is a sqlite database, which the installed MLflow client "
+                                  "(mlflow-skinny, without SQLAlchemy) cannot serve",
+             "null": "MLflow's default store sqlite:///",
+             f"http://127.0.0.1:{port}": f"no tracking server answers at http://127.0.0.1:{port} within 3 s"}
+    for uri, words in cases.items():
+        error = config_error("+plugins=[mlflow]", *TINY, f"plugins.mlflow.tracking_uri={uri}")
+        assert error.field == "plugins.mlflow.tracking_uri" and words in str(error), str(error)
+
+
+SERVER_GONE = '''
+from mlflow.tracking import MlflowClient
+from titan_core import hookimpl
+
+
+@hookimpl
+def after_init():
+    """servergone: the tracking server stops answering once the first step is logged."""
+    log_batch = MlflowClient.log_batch
+
+    def failing(self, run_id, metrics=(), **kwargs):
+        if any(metric.step >= 2 for metric in metrics):
+            raise ConnectionError("the tracking server closed the connection")
+        return log_batch(self, run_id, metrics=metrics, **kwargs)
+    MlflowClient.log_batch = failing
+'''
+
+
+def test_a_tracking_failure_mid_run_stops_the_tracking_not_the_training(tmp_path, store):
+    uri, client = store
+    env = install_plugins(tmp_path / "site", {"servergone": (SERVER_GONE, "")}, "server-gone")
+    result = run_job(["+plugins=[mlflow,servergone]", *OPTIONS, "validation.every=0",
+                      f"plugins.mlflow.tracking_uri={uri}"], tmp_path / "run", env=env)
+    assert [m["step"] for m in result.metrics] == [1, 2, 3, 4]  # trained to the end, every step in metrics.jsonl
+    warnings = [line for line in result.stdout.splitlines() if "plugins.mlflow: tracking stopped" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "plugins.mlflow: tracking stopped at step 2 (ConnectionError: the tracking server closed the connection); "
+        "training goes on, metrics.jsonl keeps every step")
+    run = tracked_run(client, tmp_path / "run")
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1]

@@ -10,28 +10,44 @@ stay those it started with, MLflow refusing changed ones, and the resumed config
 The client talks to ``tracking_uri``: a server, Databricks, or a local folder (``file:<folder>``). MLflow 3
 keeps its folder store behind ``MLFLOW_ALLOW_FILE_STORE=true``; a ``file:`` URI named here sets it, the user
 having asked for that store.
+
+What can be known before launch is checked then: a folder store that cannot be written, a database store the
+installed client cannot serve (mlflow-skinny has no SQLAlchemy, and MLflow's default store is a SQLite file), a
+server that does not answer within seconds. A failure once training runs stops the tracking, not the training: one
+warning line, and ``metrics.jsonl`` keeps every step (Lightning's choice). The client's retries are capped (2
+retries, 10 s a request, unless set in the environment) so that a server gone mid-run costs seconds, not minutes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
 from titan_core import ConfigError, hookimpl, text_or_null
 
 logging.getLogger("mlflow").setLevel(logging.WARNING)  # its import and store chatter, kept off the console
+import mlflow  # noqa: E402
 from mlflow.entities import Metric, Param, RunStatus  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+
+log = logging.getLogger("titan_core")
 
 RUN_ID_FILE = "mlflow.json"
 PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
 PARAM_CHARS = 6000  # MLflow's longest param value
+DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # stores served through SQLAlchemy (the full mlflow package)
+ANSWER_WITHIN_S = 3.0  # how long a tracking server may take to accept a connection before launch
+CAPPED_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}  # MLflow's: 7, 120 s
 
 
 def flat_params(config: DictConfig) -> dict[str, str]:
@@ -63,6 +79,7 @@ class MlflowTracker:
                               "give names and values, e.g. 'plugins.mlflow.tags={team: llm}'")
         for key in ("tracking_uri", "run_name"):  # their default is null
             text_or_null(plugin_config[key], f"plugins.mlflow.{key}")
+        check_store(plugin_config.tracking_uri)
 
     @hookimpl
     def start_tracking(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
@@ -71,7 +88,13 @@ class MlflowTracker:
         uri = plugin_config.tracking_uri
         if uri is not None and uri.startswith("file:"):
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+        for variable, value in CAPPED_RETRIES.items():
+            os.environ.setdefault(variable, value)
         self.client = MlflowClient(tracking_uri=uri)
+        self._tracking("start", lambda: self._start(run_dir, run, first_step, config, plugin_config, uri))
+
+    def _start(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
+               plugin_config: DictConfig, uri: str | None) -> None:
         ids = run_dir / RUN_ID_FILE
         if first_step > 1 and ids.exists():
             self.run_id = json.loads(ids.read_text())["run_id"]
@@ -96,8 +119,8 @@ class MlflowTracker:
         """mlflow: send a logged step's values."""
         if self.run_id is not None and metrics:
             now = int(time.time() * 1000)
-            self.client.log_batch(self.run_id, metrics=[Metric(key, float(value), now, step)
-                                                        for key, value in metrics.items() if key != "step"])
+            self._tracking(f"step {step}", lambda: self.client.log_batch(self.run_id, metrics=[
+                Metric(key, float(value), now, step) for key, value in metrics.items() if key != "step"]))
 
     @hookimpl
     def on_train_end(self, preempted: bool) -> None:
@@ -109,13 +132,51 @@ class MlflowTracker:
         """mlflow: end the run as failed, the failure's line in the tag titan_core.error (another rank's, when that
         one failed first)."""
         if self.run_id is not None:
-            self.client.set_tag(self.run_id, "titan_core.error", error_line(error))
+            self._tracking("the failure", lambda: self.client.set_tag(self.run_id, "titan_core.error", error_line(error)))
         self._end(RunStatus.FAILED)
 
     def _end(self, status: int) -> None:
         if self.run_id is not None:
-            run_id, self.run_id = self.run_id, None
-            self.client.set_terminated(run_id, RunStatus.to_string(status))
+            run_id = self.run_id
+            self._tracking("the end", lambda: self.client.set_terminated(run_id, RunStatus.to_string(status)))
+            self.run_id = None
+
+    def _tracking(self, what: str, call: Callable[[], Any]) -> None:
+        """Run one exchange with the store; a failure stops the tracking, never the training, in one line."""
+        try:
+            call()
+        except Exception as error:
+            self.run_id = None
+            log.warning("plugins.mlflow: tracking stopped at %s (%s); training goes on, metrics.jsonl keeps every step",
+                        what, error_line(error))
+
+
+def check_store(uri: str | None) -> None:
+    """The store ``uri`` (null: MLflow's own) can be reached before launch: a folder that can be written, a database
+    the installed client can serve, a server that answers."""
+    field, named = "plugins.mlflow.tracking_uri", uri or f"MLflow's default store {mlflow.get_tracking_uri()}"
+    uri = uri or mlflow.get_tracking_uri()
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.split("+")[0]
+    if scheme in ("", "file"):
+        folder = Path(parsed.path if scheme else uri).expanduser()
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            wrong = "is not a folder" if not existing.is_dir() else "cannot be written"
+            raise ConfigError(field, f"{named}: {existing} {wrong}", "point it at a folder this job can write "
+                              "(file:<folder>), or at a server")
+    elif scheme in DATABASES and importlib.util.find_spec("sqlalchemy") is None:
+        raise ConfigError(field, f"{named} is a {scheme} database, which the installed MLflow client (mlflow-skinny, "
+                          "without SQLAlchemy) cannot serve", "set plugins.mlflow.tracking_uri=file:<folder> or a "
+                          "server's http:// address, or pip install mlflow")
+    elif scheme in ("http", "https"):
+        try:
+            socket.create_connection((parsed.hostname, parsed.port or (443 if scheme == "https" else 80)),
+                                     timeout=ANSWER_WITHIN_S).close()
+        except OSError as error:
+            raise ConfigError(field, f"no tracking server answers at {uri} within {ANSWER_WITHIN_S:.0f} s "
+                              f"({error.strerror or error})", "start the server, or point the option at one that "
+                              "runs") from None
 
 
 def error_line(error: BaseException) -> str:

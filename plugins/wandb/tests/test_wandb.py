@@ -100,3 +100,50 @@ def test_a_mode_wandb_lacks_is_refused_before_launch():
     assert str(config_error(*TRACKED, "plugins.wandb.mode=cloud")) == ("plugins.wandb.mode: 'cloud' is not a W&B mode; "
                                                                        "fix: use online, offline or disabled (or null: "
                                                                        "W&B's own setting)")
+
+
+def test_a_run_that_cannot_be_tracked_is_refused_before_launch(tmp_path, monkeypatch):
+    """Online without a login (W&B prompted, or failed in the worker), a dir that cannot be written (W&B fell back to a
+    temporary folder without a word): one line before launch naming the option."""
+    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    (tmp_path / "netrc").write_text("machine example.org login user password secret\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    error = config_error(*TRACKED, "plugins.wandb.mode=online")
+    assert str(error) == ("plugins.wandb.mode: online needs a W&B login for api.wandb.ai, and there is none (no "
+                          "WANDB_API_KEY, no identity token file, no key in the netrc file); fix: run wandb login (or "
+                          "set WANDB_API_KEY), or set plugins.wandb.mode=offline and wandb sync later")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password key\n")  # as wandb login leaves it
+    (tmp_path / "a-file").write_text("")
+    error = config_error(*TRACKED, "plugins.wandb.mode=online", f"plugins.wandb.dir={tmp_path / 'a-file' / 'wandb'}")
+    assert error.field == "plugins.wandb.dir" and f"{tmp_path / 'a-file'} is not a folder" in str(error)
+
+
+SERVICE_GONE = '''
+import wandb
+from titan_core import hookimpl
+
+
+@hookimpl
+def after_init():
+    """servicegone: W&B stops taking points once the first step is logged."""
+    log = wandb.Run.log
+
+    def failing(self, data, step=None, **kwargs):
+        if step is not None and step >= 2:
+            raise ConnectionError("the W&B service is gone")
+        return log(self, data, step=step, **kwargs)
+    wandb.Run.log = failing
+'''
+
+
+def test_a_tracking_failure_mid_run_stops_the_tracking_not_the_training(tmp_path):
+    env = install_plugins(tmp_path / "site", {"servicegone": (SERVICE_GONE, "")}, "service-gone")
+    result = run_job([*OPTIONS, "validation.every=0", "+plugins=[wandb,servicegone]"], tmp_path / "run", env=env)
+    assert [m["step"] for m in result.metrics] == [1, 2, 3, 4]
+    warnings = [line for line in result.stdout.splitlines() if "plugins.wandb: tracking stopped" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "plugins.wandb: tracking stopped at step 2 (ConnectionError: the W&B service is gone); training goes on, "
+        "metrics.jsonl keeps every step")
+    [run] = offline_runs(tmp_path / "run")
+    assert sorted(run["history"]) == [1]
