@@ -248,7 +248,7 @@ def test_lora_adapts_an_outside_models_experts_named_in_its_description(tmp_path
     expert its own pair on each, which trains (B leaves zero) and is split by expert under ep like the weights,
     as one process trains it."""
     lora = [*BARE, "model.experts=4", "plugins.lora.targets=[experts]", "plugins.lora.rank=2",
-            "plugins.lora.export=false"]
+            "plugins.lora.export=none"]
     reference = run_job([*lora, "+plugins=[lora]"], tmp_path / "one", env=outsiders)
     result = run_job([*lora, "+plugins=[fsdp,ep,lora]", "plugins.fsdp.degree=2", "plugins.ep.degree=2"],
                      tmp_path / "ep", env=outsiders)

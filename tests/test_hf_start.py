@@ -239,3 +239,65 @@ def test_a_broken_folder_is_named_before_launch(folders, tmp_path):
     assert f"places tensors in {shards[0].name}, which {tmp_path / 'missing'} lacks" in said
     said = damaged("swapped", lambda f: shutil.copy(f / shards[1].name, f / shards[0].name), sharded)
     assert f"{shards[0].name} lacks " in said and "which model.safetensors.index.json places there" in said
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9),
+                                                       (1.0, 1, 0.5)])
+def test_sampling_filters_the_logits_as_transformers_warpers_do(temperature, top_k, top_p):
+    """generate's temperature, top-k and top-p leave the same tokens, with the same probabilities, as transformers'
+    warpers in the order its generate applies them."""
+    from titan_checkpoint.generate import Sampling, filtered_scores
+
+    logits = torch.randn(2048, generator=torch.Generator().manual_seed(3)) * 4
+    warpers = [transformers.TemperatureLogitsWarper(temperature)]
+    warpers += [transformers.TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [transformers.TopPLogitsWarper(top_p)] if top_p < 1 else []
+    expected = logits[None].clone()
+    for warper in warpers:
+        expected = warper(torch.zeros(1, 1, dtype=torch.long), expected)
+    ours = filtered_scores(logits, Sampling(temperature, top_k, top_p))
+    assert torch.equal(ours.isinf(), expected[0].isinf())
+    assert (ours.isfinite().sum() < 2048) == bool(top_k or top_p < 1)  # a filter asked for leaves tokens out
+    assert torch.allclose(ours.softmax(-1), expected[0].softmax(-1), atol=1e-7)
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_generate_chats_and_samples_as_transformers_does(folders, tmp_path):
+    """--chat renders the text as a user's turn as transformers' apply_chat_template does (its ids, then its greedy
+    continuation); a seeded sample repeats with its seed and differs from greedy; sampling options without a
+    temperature, and --chat without a text, are one line."""
+    folder = shutil.copytree(folders["qwen3"], tmp_path / "chat")
+    (folder / "chat_template.jinja").write_text(CHATML)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    hf_tokenizer.chat_template = CHATML
+    messages = [{"role": "user", "content": "Who are you?"}]
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = load_tokenizer(folder_config(folder, 32).tokenizer)
+    with torch.no_grad():
+        continued = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                                   eos_token_id=tokenizer.eos_id)[0, len(ids):].tolist()
+
+    def generate(*args):
+        return subprocess.run([sys.executable, "-m", "titan_checkpoint.generate", str(folder), "--new-tokens", "6",
+                               *args], capture_output=True, text=True, timeout=300)
+
+    chat = generate("--chat", "--text", "Who are you?", "--logits", str(tmp_path / "logits.pt"))
+    assert chat.returncode == 0, chat.stderr
+    assert torch.load(tmp_path / "logits.pt").shape[0] == len(ids)  # the prompt was the template's ids
+    assert chat.stdout.rstrip("\n") == tokenizer.decode(continued)
+    sampled = [generate("--text", "Once upon a time", "--temperature", "1.5", "--seed", str(seed)).stdout
+               for seed in (1, 1, 2)]
+    greedy = generate("--text", "Once upon a time").stdout
+    assert sampled[0] == sampled[1] and len({sampled[0], sampled[2], greedy}) == 3
+    for args, said in ((["--text", "hi", "--top-k", "5"], "--top-k: does nothing to greedy generation"),
+                       (["--text", "hi", "--seed", "1"], "--seed: does nothing to greedy generation"),
+                       (["--text", "hi", "--temperature", "1", "--top-p", "0"], "--top-p: 0.0 is out of range"),
+                       (["--chat", "--token-ids", "1,2"], "--chat: sends a text as a user's turn")):
+        done = generate(*args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (args, done.stderr)
+        assert lines[0].startswith(f"titan-checkpoint: error: {said}"), (args, lines)

@@ -20,7 +20,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     tensor parallel   GatherCasts, cast_gathers, gather_casts, keep_precision (gathered tensors cast to travel)
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count, check_positive
     tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model,
-                      folder_config
+                      folder_config, find_chat_template, render_chat
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
 
 The planner is a room beside the core with a front door of its own, :mod:`titan_core.planner`, which a plugin's
@@ -32,7 +32,7 @@ from titan_core.attention import (attention_mask, causal_attention, document_ids
 from titan_core.capabilities import (CHECKPOINTING, COMPILE, CONTEXT_PARALLEL, DATA_PARALLEL_SHARDING,
                                      EXPERT_PARALLEL, MIXED_PRECISION, PARTIAL_DATA_PARALLEL, PIPELINE, SPLIT_BACKWARD,
                                      TENSOR_PARALLEL)
-from titan_core.data import load_tokenizer, special_tokens, tokenizer_file
+from titan_core.data import find_chat_template, load_tokenizer, render_chat, special_tokens, tokenizer_file
 from titan_core.data_parallel import replicate_only_over, replicated_over
 from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, ModelDescription, ParamInit,
                                     TensorParallelLayout, attribute, canonical_name, lacks, read_options, replace)
@@ -81,6 +81,7 @@ __all__ = [
     "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count", "check_positive",
     # tools
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",
+    "find_chat_template", "render_chat",
     # errors
     "ConfigError", "StorageError", "EXIT_BAD_INPUT", "EXIT_STORAGE",
 ]

@@ -1,6 +1,7 @@
 """Training data: where documents or tokens come from, how each rank gets its rows, and the checks before launch.
 
     tokenizer.py  the byte-level tokenizer and Hugging Face tokenizer.json files
+    chat.py       a tokenizer folder's chat template, and a conversation rendered with it
     text.py       documents as text (shipped corpus, local files, hub), packed by every rank: small data
     tokens.py     prepared token shards: each rank reads only its rows; mixtures, shuffling, O(1) resume
     prepare.py    ``python -m titan_core.data.prepare``: text to token shards, once
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from titan_core.data.chat import find_chat_template, render_chat
 from titan_core.data.prefetch import Prefetcher
 from titan_core.data.text import PackedLoader, check_documents, document_opener, every_nth
 from titan_core.data.tokenizer import (load_tokenizer, shared_tokenizer, special_tokens, tokenizer_file,
@@ -29,9 +31,9 @@ from titan_core.errors import ConfigError
 log = logging.getLogger("titan_core")
 DAMAGED = ("stop", "skip")  # what a run does with prepared tokens that are not what prepare wrote
 
-__all__ = ["Prefetcher", "check_data", "check_documents", "document_opener", "every_nth", "load_tokenizer",
-           "reads_text", "shared_tokenizer", "special_tokens", "tokenizer_file", "training_loader",
-           "validation_batches"]
+__all__ = ["Prefetcher", "check_data", "check_documents", "document_opener", "every_nth", "find_chat_template",
+           "load_tokenizer", "reads_text", "render_chat", "shared_tokenizer", "special_tokens", "tokenizer_file",
+           "training_loader", "validation_batches"]
 
 
 def holds_out(config) -> bool:

@@ -81,8 +81,8 @@ def one_process(start, tmp_path_factory):
     (run / "batches").mkdir()
     env = install_plugins(run / "site", {"recorder": (RECORDER, "out: null\n")}, distribution="recorder",
                           plugin_objects={"recorder": "Recorder"})
-    result = run_job([*lora_job(base, adapter, f"plugins.recorder.out={run / 'batches'}", plugins=",recorder")],
-                     run / "run", env=env)
+    result = run_job([*lora_job(base, adapter, f"plugins.recorder.out={run / 'batches'}", "plugins.lora.export=both",
+                                plugins=",recorder")], run / "run", env=env)
     return result
 
 
@@ -122,6 +122,12 @@ def test_lora_trains_as_peft_does_and_peft_reads_its_adapter(start, one_process,
     merged = tmp_path / "merged"
     subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(exported), str(merged)], check=True,
                    capture_output=True)
+    # The run's own merged export (plugins.lora.export=both) is the merge tool's folder, tensor for tensor.
+    exported_merged = one_process.run_dir / f"merged-step-{STEPS}"
+    assert sorted(p.name for p in exported_merged.iterdir()) == sorted(p.name for p in merged.iterdir())
+    for file in merged.glob("*.safetensors"):
+        ours, tools = load_file(exported_merged / file.name), load_file(file)
+        assert ours.keys() == tools.keys() and all(torch.equal(ours[k], tools[k]) for k in ours)
     with torch.no_grad():
         alone = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(TOKENS).logits
     print(f"PEFT reading our adapter vs transformers on the merged folder: {(read_back - alone).abs().max().item():.2e}; "
@@ -448,3 +454,13 @@ def test_a_hugging_face_export_of_a_lora_model_is_refused_before_training(start,
                      expect_success=False)
     assert result.returncode != 0 and not (tmp_path / "metrics.jsonl").exists()
     assert "export_hf: the model holds layers.0.mlp.down_proj.lora_A.weight (and 27 more)" in error_line(result)
+
+
+def test_a_merged_export_without_a_base_folder_is_refused(start):
+    base, _ = start
+    error = config_error("model=qwen3_tiny", "tokenizer.path=bytes", "+plugins=[lora]", "plugins.lora.export=merged")
+    assert str(error) == ("plugins.lora.export: merged folds the adapters into the base's Hugging Face folder, and "
+                          "this job starts from none; fix: start from a folder (model=hf model.path=...), or set "
+                          "plugins.lora.export=peft")
+    assert config_error("model=hf", f"model.path={base}", "+plugins=[lora]", "plugins.lora.export=yes").field == \
+        "plugins.lora.export"

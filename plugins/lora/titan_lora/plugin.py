@@ -22,9 +22,11 @@ first region is attention, its second the MLP; ``experts`` are its ``ExpertsLayo
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from titan_core import MIXED_PRECISION, TP, ConfigError, Declaration, build_meta_model, canonical_name, compute_dtype, \
@@ -33,12 +35,14 @@ from titan_core import MIXED_PRECISION, TP, ConfigError, Declaration, build_meta
 from titan_lora.adapters import EXPERTS, FIELD, ROLES, add_adapter, add_expert_adapters, adapters, chosen_experts, \
     chosen_linears, every_factor, expert_adapters, expert_stacks, frozen_matmul_weights, initialize, scale, \
     split_like_base, target_paths
+from titan_lora.merge import merge
 from titan_lora.peft_format import check_peft_config, export_peft, peft_name, peft_stack_name, read_peft, \
     read_peft_config
 
 log = logging.getLogger("titan_core")
 STAGE = 210  # right after tensor parallel split the adapted linears, before CP, AC, compile and FSDP
 BASE_DTYPES = ("float32", "bfloat16")
+EXPORTS = ("peft", "merged", "both", "none")
 
 
 def validate_options(config, options, plan) -> None:
@@ -50,6 +54,18 @@ def validate_options(config, options, plan) -> None:
         raise ConfigError(f"{FIELD}.dropout", f"{options.dropout!r} is not in [0, 1)", "set e.g. 0.0 or 0.05")
     if not options.targets:
         raise ConfigError(f"{FIELD}.targets", "is empty", f"name some of {', '.join(ROLES)}")
+    if options.export not in EXPORTS:
+        raise ConfigError(f"{FIELD}.export", f"{options.export!r} is not one of {', '.join(EXPORTS)}",
+                          "export the adapters (peft), the base with them folded in (merged), both, or none")
+    if options.export in ("merged", "both") and not config.model.get("path"):
+        raise ConfigError(f"{FIELD}.export", f"{options.export} folds the adapters into the base's Hugging Face "
+                          "folder, and this job starts from none", "start from a folder (model=hf model.path=...), "
+                          f"or set {FIELD}.export=peft")
+    if options.export in ("merged", "both") and expert_stacks(plan.model, options.targets):
+        raise ConfigError(f"{FIELD}.export", f"{options.export}: adapters on stacked experts are merged by PEFT only "
+                          "(a folder may store a stack as one tensor or as every expert's projections apart)",
+                          f"set {FIELD}.export=peft and merge with PEFT (merge_and_unload), or leave experts out of "
+                          f"{FIELD}.targets")
     if options.base_dtype not in BASE_DTYPES:
         raise ConfigError(f"{FIELD}.base_dtype", f"{options.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}",
                           f"set {FIELD}.base_dtype=bfloat16 to hold the frozen linears in half the bytes")
@@ -74,10 +90,10 @@ def validate_options(config, options, plan) -> None:
                 else chosen_linears(model, plan.model, target_paths(plan.model, [target]))):
             raise ConfigError(f"{FIELD}.targets", f"'{target}' names no linear of model '{plan.model.family}'s blocks",
                               "adapt another role")
-    if (options.export or options.init_from) and plan.model.hf is None:
+    if (options.export != "none" or options.init_from) and plan.model.hf is None:
         raise ConfigError(f"{FIELD}.export", lacks(plan.model, "hf", "PEFT's adapter format"),
-                          f"set {FIELD}.export=false and {FIELD}.init_from=null")
-    if (options.export or options.init_from) and stacks:
+                          f"set {FIELD}.export=none and {FIELD}.init_from=null")
+    if (options.export != "none" or options.init_from) and stacks:
         # PEFT's stacked factors follow the file's (experts, out, in) weight; a file arranging it otherwise (gpt-oss:
         # transposed, gate and up interleaved) would be adapted along the wrong dimensions.
         rearranged = [stack for name in chosen_experts(model, plan.model) for stack in stacks
@@ -85,7 +101,7 @@ def validate_options(config, options, plan) -> None:
         if rearranged:
             raise ConfigError(f"{FIELD}.export", f"model '{plan.model.family}' stores its experts' {rearranged[0]} "
                               "transposed or interleaved in Hugging Face folders, which PEFT's adapters on experts "
-                              "cannot follow", f"leave experts out of {FIELD}.targets, or set {FIELD}.export=false "
+                              "cannot follow", f"leave experts out of {FIELD}.targets, or set {FIELD}.export=none "
                               f"and {FIELD}.init_from=null")
     if text_or_null(options.init_from, f"{FIELD}.init_from"):
         folder = Path(options.init_from).expanduser()
@@ -198,7 +214,15 @@ class LoraPlugin:
 
     @hookimpl
     def on_train_end(self, state, preempted, run_dir, config, plugin_config, plan):
-        """lora: write the adapters in PEFT's format (adapter-step-N in the run dir) once every step ran."""
-        if plugin_config.export and not preempted:
-            export_peft(state.model_parts, Path(run_dir) / f"adapter-step-{state.step}", plugin_config, plan.model,
-                        config.model.get("path"), self.mesh)
+        """lora: once every step ran, write the adapters in PEFT's format (adapter-step-N in the run dir) and/or the
+        base's folder with them folded in (merged-step-N)."""
+        if plugin_config.export == "none" or preempted:
+            return
+        run_dir, base = Path(run_dir), config.model.get("path")
+        adapter = run_dir / f"adapter-step-{state.step}"
+        export_peft(state.model_parts, adapter, plugin_config, plan.model, base, self.mesh)
+        if plugin_config.export in ("merged", "both") and dist.get_rank() == 0:
+            merged = merge(Path(base).expanduser(), adapter, run_dir / f"merged-step-{state.step}")
+            log.info("lora: wrote %s (%d weights merged)", run_dir / f"merged-step-{state.step}", merged)
+            if plugin_config.export == "merged":
+                shutil.rmtree(adapter)

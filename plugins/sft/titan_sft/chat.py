@@ -10,7 +10,6 @@ are refused as rows that cannot be trained on, never trained on wrongly.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,27 +33,6 @@ class Example:
     trained: tuple[bool, ...] = ()
     problem: str | None = None
     kind: str | None = None
-
-
-def find_chat_template(tokenizer_json: Path, chat_template: str | None, field: str) -> tuple[str, str]:
-    """The template's text and where it was found: the file ``chat_template`` names, else the one saved beside
-    the tokenizer."""
-    if chat_template is not None:
-        path = Path(chat_template).expanduser()
-        if not path.is_file():
-            raise ConfigError(field, f"{path} is not a file", "point it at a Jinja chat template (.jinja)")
-        return path.read_text(), str(path)
-    folder = tokenizer_json.parent
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(), str(folder / "chat_template.jinja")
-    saved = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") if (
-        folder / "tokenizer_config.json").is_file() else None
-    if isinstance(saved, list):  # several named templates: the default one
-        saved = next((t["template"] for t in saved if t.get("name") == "default"), None)
-    if not saved:
-        raise ConfigError(field, f"the tokenizer in {folder} has no chat template (neither tokenizer_config.json's "
-                          "chat_template nor chat_template.jinja)", "set it to a Jinja chat template file")
-    return saved, f"{folder / 'tokenizer_config.json'}'s chat_template"
 
 
 class ChatRenderer:

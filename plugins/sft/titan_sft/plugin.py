@@ -17,8 +17,9 @@ from pathlib import Path
 import datasets
 from datasets import load_dataset
 
-from titan_core import ConfigError, Declaration, hookimpl, load_tokenizer, text_or_null, tokenizer_file
-from titan_sft.chat import ChatRenderer, find_chat_template
+from titan_core import (ConfigError, Declaration, find_chat_template, hookimpl, load_tokenizer, text_or_null,
+                        tokenizer_file)
+from titan_sft.chat import ChatRenderer
 from titan_sft.rows import ChatRows
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
