@@ -20,7 +20,8 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     tensor parallel   GatherCasts, cast_gathers, gather_casts, keep_precision (gathered tensors cast to travel)
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count, check_positive
     tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model,
-                      folder_config, find_chat_template, render_chat
+                      folder_config, find_chat_template, render_chat; PEFT adapters: peft_updates, uncomputed_field,
+                      PEFT_PREFIX, ADAPTER_FILES
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
 
 The planner is a room beside the core with a front door of its own, :mod:`titan_core.planner`, which a plugin's
@@ -38,6 +39,7 @@ from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, 
                                     TensorParallelLayout, attribute, canonical_name, lacks, read_options, replace)
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.narrow_gathers import GatherCasts, cast_gathers, gather_casts, keep_precision
+from titan_core.peft import ADAPTER_FILES, PEFT_PREFIX, peft_updates, uncomputed_field
 from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.huggingface import HFAdapter, StoredLayout, check_hf_config
 from titan_core.initialization import local_box
@@ -81,7 +83,7 @@ __all__ = [
     "FLOAT_DTYPES", "float_dtype", "compute_dtype", "count_or_null", "text_or_null", "replica_count", "check_positive",
     # tools
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",
-    "find_chat_template", "render_chat",
+    "find_chat_template", "render_chat", "peft_updates", "uncomputed_field", "PEFT_PREFIX", "ADAPTER_FILES",
     # errors
     "ConfigError", "StorageError", "EXIT_BAD_INPUT", "EXIT_STORAGE",
 ]

@@ -74,11 +74,10 @@ def declare(config: DictConfig, plugin_config: DictConfig) -> Declaration | None
 def validate(config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
     """Check this plugin's options against the whole job and the model before any worker starts.
 
-    Runs once per job in the launching process (under torchrun: rank 0's only, so that what it reads is read
-    once), for each enabled plugin in plan order, once the plan (mesh, world size, order, ``plan.model``) is
-    known. Raise :class:`titan_core.ConfigError` naming the field and the fix, in particular when the model's
-    description lacks what this plugin needs (:func:`titan_core.lacks`): a plugin that cannot apply must never
-    train silently wrong.
+    Runs once per job in the launching process (under torchrun: rank 0's only, so that what it reads is read once),
+    for each enabled plugin in plan order, once the plan (mesh, world size, order, ``plan.model``) is known. Raise
+    :class:`titan_core.ConfigError` naming the field and the fix, in particular when the model's description lacks
+    what this plugin needs (:func:`titan_core.lacks`): a plugin that cannot apply must never train silently wrong.
 
     :param config: The whole job config.
     :param plugin_config: This plugin's options.
@@ -137,14 +136,14 @@ def build_model(description: ModelDescription) -> nn.Module:
 
 @hookspec
 def convert_modules(model: nn.Module, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
-    """Swap modules of the model for other implementations: low-precision training (float8), adapters
-    (LoRA), fake quantization (QAT).
+    """Swap modules of the model for other implementations: low-precision training (float8), adapters (LoRA), fake
+    quantization (QAT).
 
     Runs once per worker on the meta model after ``build_model`` and before any parallelism, in every plugin
-    implementing it, in plan order: each sees the modules the previous ones converted, and the parallelism
-    applied later sees the result. Change ``model`` in place, keeping parameter names where the parameters
-    are the same (``titan_core.replace``). A conversion whose linears compute on a narrower format may mark them
-    for tensor parallel's gathers (``titan_core.cast_gathers``); one computing beside a linear drops that mark
+    implementing it, in plan order: each sees the modules the previous ones converted, and the parallelism applied later
+    sees the result. Change ``model`` in place, keeping parameter names where the parameters are the same
+    (``titan_core.replace``). A conversion whose linears compute on a narrower format may mark them for tensor
+    parallel's gathers (``titan_core.cast_gathers``); one computing beside a linear drops that mark
     (``titan_core.keep_precision``).
 
     :param model: The whole model, on the meta device.
@@ -382,11 +381,10 @@ def save_checkpoint(state: TrainState, step: int, config: DictConfig, final: boo
                     check_finite: Callable[[], None], plugin_config: DictConfig, plan: Plan) -> Path | None:
     """Save ``state`` after ``step``'s optimizer step, if this plugin's policy says so.
 
-    Runs on every rank after each step but the last with ``final=False``, once after the loop with
-    ``final=True`` (also when no step ran: ``training.steps=0`` writes the initial weights), and, when the
-    run is stopped by SIGTERM or SIGINT, once after the step it finished with ``preempted=True``: then the whole
-    training state must be written before returning, whatever the policy, so that running the same command
-    again resumes there.
+    Runs on every rank after each step but the last with ``final=False``, once after the loop with ``final=True``
+    (also when no step ran: ``training.steps=0`` writes the initial weights), and, when the run is stopped by SIGTERM
+    or SIGINT, once after the step it finished with ``preempted=True``: then the whole training state must be written
+    before returning, whatever the policy, so that running the same command again resumes there.
 
     :param check_finite: Call it before writing: the core keeps whether every step's loss and gradients were
         finite on the device and asks (a host sync) only on logged steps, so a step that is not logged may

@@ -59,8 +59,7 @@ class ParallelMesh:
 
     def submesh(self, *groups: str | tuple[str, ...]) -> DeviceMesh | None:
         wanted = {d for group in groups for d in ((group,) if isinstance(group, str) else group)}
-        root = next((root for dim, root in self._borrowing_roots.items() if wanted & {dim, f"{dim}_rest"}),
-                    self._root)
+        root = next((root for dim, root in self._borrowing_roots.items() if wanted & {dim, f"{dim}_rest"}), self._root)
         names = []
         for group in groups:
             dims = tuple(d for d in ((group,) if isinstance(group, str) else group)

@@ -6,7 +6,8 @@ process.
         --temperature 0.7 --top-p 0.9 --seed 1
 
 The model is a ``step-N`` or ``weights-step-N`` checkpoint (its shape from the run's ``config.yaml``, two folders
-above it, or ``--config``) or a Hugging Face folder of a family titan-core builds. ``--chat`` sends the text as a
+above it, or ``--config``) or a Hugging Face folder of a family titan-core builds; ``--adapter`` folds a LoRA run's
+PEFT adapter (``adapter-step-N``) into it first, no merged folder written. ``--chat`` sends the text as a
 user's turn through the tokenizer's chat template, as transformers' ``apply_chat_template`` renders it. Greedy by
 default; ``--temperature`` above 0 samples, after top-k and top-p as transformers' warpers filter (``--seed`` makes
 it repeatable). Generation stops at the end-of-text token and at those a folder's ``generation_config.json`` names.
@@ -30,7 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from titan_core import (ConfigError, build_meta_model, find_chat_template, folder_config, load_tokenizer,
-                        model_description, render_chat, tokenizer_file)
+                        model_description, peft_updates, render_chat, tokenizer_file)
 from titan_checkpoint.convert import read_model_weights
 from titan_checkpoint.hf import load_hf_slices
 
@@ -49,8 +50,9 @@ def is_hf_folder(source: Path) -> bool:
     return (source / "config.json").is_file()
 
 
-def load_model(source: Path, config) -> torch.nn.Module:
-    """The model of ``config`` with the weights of ``source``, on the CPU in float32."""
+def load_model(source: Path, config, adapter: Path | None = None) -> torch.nn.Module:
+    """The model of ``config`` with the weights of ``source``, on the CPU in float32, with the PEFT adapter in
+    folder ``adapter`` folded in when one is given."""
     description = model_description(config, load_tokenizer(config.tokenizer).vocab_size)
     model = build_meta_model(config, description)
     model.to_empty(device="cpu")
@@ -66,7 +68,27 @@ def load_model(source: Path, config) -> torch.nn.Module:
                               f"(it {'has' if odd in weights else 'lacks'} {odd})",
                               "look at the Hugging Face export, or at a merged folder of an adapter run")
         model.load_state_dict({name: tensor.float() for name, tensor in weights.items()})
+    if adapter is not None:
+        fold_adapter(model, adapter, description)
     return model.eval()
+
+
+@torch.no_grad()
+def fold_adapter(model: torch.nn.Module, adapter: Path, description) -> None:
+    """Add each update of the PEFT adapter in ``adapter`` to the weight it adapts, found through the model's Hugging
+    Face names: a LoRA run's adapter-step-N looked at without writing a merged folder."""
+    try:
+        updates = peft_updates(adapter)
+    except ValueError as error:
+        raise ConfigError("--adapter", str(error), "give a plain LoRA adapter folder (a lora run's adapter-step-N)")
+    held = dict(model.named_parameters())
+    for hf_name, update in sorted(updates.items()):
+        weight = held.get(description.hf.from_hf(hf_name) or "")
+        if weight is None or weight.shape != update.shape:
+            found = "lacks it" if weight is None else f"holds it as {list(weight.shape)}"
+            raise ConfigError("--adapter", f"{adapter} changes {hf_name} ({list(update.shape)}), and this model "
+                              f"{found}: the adapter is of another model", "give the base the adapter was trained on")
+        weight += update.to(weight.dtype)
 
 
 @dataclass(frozen=True)
@@ -151,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     prompt.add_argument("--text", help="the prompt")
     prompt.add_argument("--token-ids", help="the prompt as token ids, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=32, help="at most this many tokens are generated")
+    parser.add_argument("--adapter", type=Path, help="a PEFT LoRA adapter folder (a lora run's adapter-step-N) to "
+                        "fold into the model first")
     parser.add_argument("--chat", action="store_true", help="send the text as a user's turn through the tokenizer's "
                         "chat template")
     parser.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer folder's)")
@@ -168,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(config.tokenizer)
         ids = prompt_ids(args, tokenizer, config)
         config.training.seq_len = len(ids) + args.new_tokens  # the rows of the position tables
-        model = load_model(args.model, config)
+        model = load_model(args.model, config, args.adapter)
     except ConfigError as error:  # bad input, found before anything is generated: one line, exit 2
         print(f"titan-checkpoint: error: {error}", file=sys.stderr)
         sys.exit(2)

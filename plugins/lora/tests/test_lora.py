@@ -464,3 +464,40 @@ def test_a_merged_export_without_a_base_folder_is_refused(start):
                           "plugins.lora.export=peft")
     assert config_error("model=hf", f"model.path={base}", "+plugins=[lora]", "plugins.lora.export=yes").field == \
         "plugins.lora.export"
+
+
+def test_generate_folds_a_runs_adapter_into_its_base_as_the_merged_export(start, one_process, tmp_path):
+    """generate --adapter on the base folder gives the logits of the run's merged export (export=both), and those of
+    PEFT reading the adapter: a LoRA run looked at without writing a merged folder. An adapter of another model is one
+    line."""
+    base, _ = start
+    exported = one_process.run_dir / f"adapter-step-{STEPS}"
+
+    def logits(*args):
+        out = tmp_path / f"logits{len(list(tmp_path.iterdir()))}.pt"
+        done = subprocess.run([sys.executable, "-m", "titan_checkpoint.generate", *args, "--token-ids",
+                               ",".join(map(str, TOKENS[0].tolist())), "--new-tokens", "1", "--logits", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return torch.load(out)
+
+    folded = logits(str(base), "--adapter", str(exported))
+    merged = logits(str(one_process.run_dir / f"merged-step-{STEPS}"))
+    plain = logits(str(base))
+    reread = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                            exported).eval()
+    with torch.no_grad():
+        expected = reread(TOKENS).logits[0]
+    assert (folded - merged).abs().max().item() <= LOGIT_TOLERANCE
+    assert (folded - expected).abs().max().item() <= LOGIT_TOLERANCE
+    assert (folded - plain).abs().max().item() > 100 * LOGIT_TOLERANCE  # the adapter did change the model
+    wider = write_hf_folder(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=2048, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=False)),
+        tmp_path / "wider")
+    done = subprocess.run([sys.executable, "-m", "titan_checkpoint.generate", str(wider), "--adapter", str(exported),
+                           "--text", "hi"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"titan-checkpoint: error: --adapter: {exported} changes model.layers.0.mlp.down_proj.weight ([64, 96]), and "
+        "this model holds it as [64, 128]: the adapter is of another model; fix: give the base the adapter was trained "
+        "on"]

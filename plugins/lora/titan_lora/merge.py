@@ -11,39 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from titan_lora.peft_format import uncomputed_field
-
-PEFT_PREFIX = "base_model.model."
-
-
-def adapter_updates(adapter: Path) -> dict[str, torch.Tensor]:
-    """``scale * B @ A`` of every adapted weight, by the base folder's tensor name."""
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    uncomputed = uncomputed_field(config, adapter)
-    if uncomputed:
-        raise ValueError(f"{uncomputed}: merge it with PEFT (PeftModel.merge_and_unload, then save_pretrained)")
-    if config.get("target_parameters"):
-        # A folder may store an expert stack as one tensor or as every expert's projections apart: only the
-        # model's own loader knows which.
-        raise ValueError(f"{adapter} adapts stacked expert weights ({config['target_parameters'][0]}, ...), which "
-                         "this tool does not merge: merge it with PEFT (PeftModel.merge_and_unload, then save_pretrained)")
-    scale = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    updates = {}
-    for name, a in tensors.items():
-        if name.endswith(".lora_A.weight"):
-            b = tensors[name.replace(".lora_A.", ".lora_B.")]
-            updates[name.removeprefix(PEFT_PREFIX).replace(".lora_A.weight", ".weight")] = scale * (b.double() @ a.double())
-    return updates
+from titan_core import peft_updates
 
 
 def check_base(base: Path, adapter: Path, updates: dict[str, torch.Tensor]) -> None:
@@ -67,7 +43,7 @@ def check_base(base: Path, adapter: Path, updates: dict[str, torch.Tensor]) -> N
 
 def merge(base: Path, adapter: Path, out: Path) -> int:
     """Write the merged folder; returns how many weights the adapter changed."""
-    updates = adapter_updates(adapter)
+    updates = peft_updates(adapter)
     check_base(base, adapter, updates)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

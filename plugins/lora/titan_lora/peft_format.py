@@ -16,13 +16,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_core import CP, DP_REPLICATE, DP_SHARD, TP, ConfigError, ModelDescription
+from titan_core import (ADAPTER_FILES, CP, DP_REPLICATE, DP_SHARD, PEFT_PREFIX, TP, ConfigError, ModelDescription,
+                        uncomputed_field)
 
 from titan_lora.adapters import FIELD, adapters, copy_box, expert_adapters
 
 log = logging.getLogger("titan_core")
-PEFT_PREFIX = "base_model.model."
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def peft_name(adapter: str, which: str, description: ModelDescription) -> str:
@@ -64,34 +63,6 @@ def read_peft_config(folder: Path) -> dict:
         if not (folder / file).is_file():
             raise ConfigError(f"{FIELD}.init_from", f"{folder} has no {file}", "point it at a PEFT adapter folder")
     return json.loads((folder / "adapter_config.json").read_text())
-
-
-# Fields of PEFT's adapter_config.json that do not change what a loaded adapter computes, or that are honoured: r,
-# lora_alpha and use_rslora are checked against the options; target_modules and target_parameters through the tensors
-# the file holds. Every other field set to anything but PEFT's default is refused by name: a per-module rank or alpha,
-# DoRA's magnitudes, saved modules, replicated layers or transposed weights would be loaded wrong, not skipped.
-READ_AS_IS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-              "inference_mode", "r", "lora_alpha", "use_rslora", "target_modules", "target_parameters", "lora_dropout",
-              # how the factors were first drawn, which a trained adapter no longer depends on
-              "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-              # run-time placement, and settings that only apply beside a refused one
-              "runtime_config", "megatron_core", "qalora_group_size"}
-PEFT_DEFAULTS = (None, False, {}, [], "none")
-WHAT = {"use_dora": "DoRA's magnitude vectors", "rank_pattern": "a rank per module", "alpha_pattern": "an alpha per module",
-        "modules_to_save": "whole modules trained beside the adapters", "layer_replication": "replicated layers",
-        "fan_in_fan_out": "transposed (Conv1D) weights", "bias": "trained biases", "lora_bias": "a bias on lora_B",
-        "layers_to_transform": "adapters on some layers only", "exclude_modules": "modules left out by pattern"}
-
-
-def uncomputed_field(peft: dict, folder: Path) -> str | None:
-    """What an adapter_config.json sets that titan-core's LoRA does not compute, said in a line; None when nothing."""
-    for key, value in peft.items():
-        if key not in READ_AS_IS and not any(value == default and type(value) is type(default)
-                                             for default in PEFT_DEFAULTS):
-            what = f" ({WHAT[key]})" if key in WHAT else ""
-            return (f"{folder / 'adapter_config.json'} sets {key}={json.dumps(value)}{what}, which titan-core's LoRA "
-                    "does not compute")
-    return None
 
 
 def check_peft_config(peft: dict, options, folder: Path) -> None:
