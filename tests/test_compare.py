@@ -59,11 +59,15 @@ def test_the_plot_draws_the_mean_loss_labelled_by_what_differs_and_amounts_from_
     from titan_core.tools.compare import plot, read_run
 
     figure = plot([read_run(runs[name].run_dir) for name in ("base", "faster")], tmp_path / "curves.png",
-                  ["loss", "tokens_per_s_per_device"])
-    loss, speed = figure.axes
+                  ["loss", "validation_loss", "tokens_per_s_per_device"])
+    loss, speed = figure.axes  # no empty panel for the validation loss neither run logged
     assert [line.get_label() for line in loss.get_lines()] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
     assert list(loss.get_lines()[1].get_ydata()) == [m["loss_avg"] for m in runs["faster"].metrics]
     assert speed.get_ylim()[0] == 0
+    # The legend below the panels (not over a curve), the steps whole numbers.
+    assert loss.get_legend() is None and [t.get_text() for t in figure.legends[0].get_texts()] == [
+        "optimizer.lr=1e-3", "optimizer.lr=3e-3"]
+    assert all(float(tick).is_integer() for tick in loss.get_xticks())
 
 
 def test_what_is_not_a_run_is_one_line(tmp_path):
@@ -71,6 +75,21 @@ def test_what_is_not_a_run_is_one_line(tmp_path):
     assert completed.returncode == 2
     assert completed.stderr.strip().startswith(f"titan-core: error: {tmp_path}: is neither a run dir (metrics.jsonl, "
                                                "config.yaml) nor a multirun folder (multirun.yaml); fix: name the ")
+
+
+def test_what_differs_is_what_the_runs_set_to_other_values():
+    """An override to the value another run takes by default differs from nothing (read from the resolved configs);
+    the plugins a run enables, and settings whose values differ, are listed as the run's own command line wrote
+    them, or with its value where it left them."""
+    from titan_core.tools.compare import Run, differing
+
+    config = {"model": {"name": "llama3"}, "optimizer": {"lr": 0.001}, "plugins": {}}
+    default = Run("a", overrides=["model=tiny"], config=config)
+    explicit = Run("b", overrides=["model=tiny", "optimizer.lr=1e-3"], config=config)
+    assert differing([default, explicit]) == ["", ""]
+    sharded = Run("c", overrides=["model=tiny", "+plugins=[fsdp]", "optimizer.lr=3e-3"],
+                  config={**config, "optimizer": {"lr": 0.003}, "plugins": {"fsdp": {"degree": -1}}})
+    assert differing([default, sharded]) == ["plugins=[] optimizer.lr=0.001", "plugins=[fsdp] optimizer.lr=3e-3"]
 
 
 def test_versions_and_commits_that_differ_are_shown():

@@ -3,8 +3,10 @@
 A run dir is what ``python -m titan_core.run`` writes (``metrics.jsonl``, ``config.yaml``, ``run.json``); a
 Hydra multirun folder (``multirun.yaml`` and one numbered run dir per job) counts as its jobs. The table
 gives each run's steps, final and lowest loss, last validation loss, median tokens/s per device (the first
-logged step, which includes start-up and compilation, left out), MFU, peak memory, its plan, and the
-overrides, package versions and git commit that are not the same in every run.
+logged step, which includes start-up and compilation, left out), MFU, peak memory, its plan, and what differs:
+the settings the runs' command lines name whose values are not the same in every run (read from each run's
+resolved config, so an override to the default value differs from nothing), then the package versions and git
+commit that are not the same in every run.
 
     --plot F.png      the loss (mean of each logged window), the validation loss and tokens/s per device (from
                       zero) against the step, a panel each (--metrics picks others), a line per run labelled by
@@ -22,10 +24,14 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
+
+
+_ABSENT = object()  # a key a run's config does not have
 
 
 @dataclass
@@ -37,6 +43,25 @@ class Run:
     plan: str = ""
     versions: dict = field(default_factory=dict)
     code: list[str] = field(default_factory=list)  # versions and git commit, as "name==version" and "git <sha>"
+    config: dict | None = None  # the resolved config.yaml
+
+    def setting(self, key: str) -> str | None:
+        """The value of setting ``key`` (an override's, ``+plugins`` as ``plugins``) in this run, as text: from its
+        resolved config where it has one, else its override's text; None where the run has neither."""
+        if self.config is not None:
+            if key == "plugins":
+                return f"[{','.join(self.config.get('plugins') or {})}]"
+            value: Any = self.config
+            for part in key.split("."):
+                value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
+            if value is not _ABSENT:
+                return json.dumps(value, separators=(",", ":"))
+        return next((o.partition("=")[2] for o in self.overrides if o.partition("=")[0].lstrip("+~") == key), None)
+
+    def said(self, key: str) -> str:
+        """How this run's command line sets ``key``, or its value there when it does not set it."""
+        return next((o.lstrip("+~") for o in self.overrides if o.partition("=")[0].lstrip("+~") == key),
+                    f"{key}={self.setting(key)}")
 
     def row(self) -> dict:
         speeds = [r["tokens_per_s_per_device"] for r in self.records[1:] if "tokens_per_s_per_device" in r]
@@ -62,6 +87,8 @@ def read_run(folder: Path) -> Run:
     if record.is_file():
         facts = json.loads(record.read_text())
         run.overrides, run.versions = facts.get("overrides", []), facts.get("versions", {})
+        if (folder / "config.yaml").is_file():
+            run.config = OmegaConf.to_container(OmegaConf.load(folder / "config.yaml"))
         git = facts.get("git") or {}
         run.code = [f"{name}=={version}" for name, version in run.versions.items()] + (
             [f"git {git['commit'][:10]}{' (dirty)' if git.get('dirty') else ''}"] if git else [])
@@ -107,10 +134,13 @@ def runs_of(paths: list[Path]) -> list[Run]:
 
 
 def differing(runs: list[Run]) -> list[str]:
-    """For each run, its overrides, versions and commit that not every run shares."""
-    facts = [[*r.overrides, *r.code] for r in runs]
-    shared = set.intersection(*map(set, facts)) if runs else set()
-    return [" ".join(f for f in run_facts if f not in shared) for run_facts in facts]
+    """For each run, the settings some command line names whose values differ between the runs (as the run's own
+    command line wrote them), then its versions and commit that not every run shares."""
+    keys = dict.fromkeys(o.partition("=")[0].lstrip("+~") for run in runs for o in run.overrides)
+    varying = [key for key in keys if len({run.setting(key) for run in runs}) > 1]
+    shared = set.intersection(*(set(run.code) for run in runs)) if runs else set()
+    return [" ".join([*(run.said(key) for key in varying if run.setting(key) is not None),
+                      *(fact for fact in run.code if fact not in shared)]) for run in runs]
 
 
 def table(runs: list[Run]) -> str:
@@ -160,20 +190,27 @@ def plot(runs: list[Run], file: Path, metrics: list[str]):
                           "pip install matplotlib (or titan-trainer[plots])") from None
     matplotlib.use("Agg")  # a file, never a window
     from matplotlib import pyplot
+    from matplotlib.ticker import MaxNLocator
 
-    figure, panels = pyplot.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.5), squeeze=False)
+    drawn = [m for m in metrics if any(PLOTTED_FROM.get(m, m) in r or m in r for run in runs for r in run.records)]
+    if not drawn:
+        raise ConfigError("--metrics", f"no run logged any of {', '.join(metrics)}",
+                          "name keys of the runs' metrics.jsonl, e.g. --metrics loss,tokens_per_s_per_device")
+    figure, panels = pyplot.subplots(1, len(drawn), figsize=(6 * len(drawn), 4.5), squeeze=False, layout="constrained")
     labels = [differs or Path(run.path).name for run, differs in zip(runs, differing(runs))]
-    for metric, axes in zip(metrics, panels[0]):
+    for metric, axes in zip(drawn, panels[0]):
         for run, label in zip(runs, labels):
             key = PLOTTED_FROM.get(metric, metric)
             points = [(r["step"], r.get(key, r.get(metric))) for r in run.records if key in r or metric in r]
             axes.plot(*zip(*points) if points else ([], []), marker="." if metric == "validation_loss" else None,
                       label=label)
         axes.set(xlabel="step", title=f"{metric} (mean over each logged window)" if metric in PLOTTED_FROM else metric)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         if metric not in LOSSES:
             axes.set_ylim(bottom=0)
-    panels[0][0].legend(fontsize="small")
-    figure.tight_layout()
+    # Below the panels, never over a curve.
+    figure.legend(*panels[0][0].get_legend_handles_labels(), loc="outside lower center", fontsize="small",
+                  ncols=min(len(runs), 3))
     figure.savefig(file)
     return figure
 
