@@ -209,9 +209,34 @@ def test_model_path_naming_a_file_or_a_hub_id_says_what_to_do(folders, tmp_path,
     assert str(error) == (f"model.path: {folder / 'config.json'} is a file, not a Hugging Face model folder; fix: set "
                           f"model.path={folder}")
     assert "would train from random weights" in str(config_error("model=hf", f"model.path={folder}"))
-    error = config_error("model=hf", "model.path=Qwen/Qwen3-0.6B")
-    assert error.field == "model.path" and "titan-core reads no hub id from the network" in str(error)
-    assert "huggingface-cli download Qwen/Qwen3-0.6B --local-dir <folder>" in str(error)
+
+
+def test_a_hub_id_is_read_from_the_hub_cache_and_one_missing_offline_is_one_line(folders, tmp_path, monkeypatch):
+    """model.path (and tokenizer.path) may name a hub model: its snapshot in huggingface_hub's cache is the folder
+    (downloaded into it first where the hub can be reached: not here, where CI runs offline). A model the cache
+    lacks, offline, is one line naming the id and the cache; the job runs as from the folder."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-qwen3" / "snapshots" / ("0" * 40)
+    shutil.copytree(folders["qwen3"], snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    # A fresh interpreter: huggingface_hub reads its cache and offline settings once, as it is imported.
+    monkeypatch.setenv("TITAN_FRESH_INTERPRETER", "1")
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    job = ["model=hf", "+plugins=[checkpoint]", "training.steps=1", "training.seq_len=32",
+           "training.global_batch_size=2", "launch.device=cpu"]
+    trained = run_job([*job, "model.path=someone/tiny-qwen3"], tmp_path / "run", env=env)
+    assert trained.metrics[-1]["step"] == 1
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert f"path: {snapshot}" in config  # the model and its tokenizer read from the cached snapshot
+    planned = run_job(["model=tiny", "tokenizer.path=someone/tiny-qwen3", "launch.dry_run=true"], tmp_path / "dry",
+                      env=env)
+    assert planned.returncode == 0 and f"path: {snapshot}" in (tmp_path / "dry" / "config.yaml").read_text()
+    missing = run_job([*job, "model.path=someone/absent"], tmp_path / "missing", env=env, expect_success=False)
+    assert error_line(missing).startswith(f"titan-core: error: model.path: someone/absent is not in the hub cache "
+                                          f"({cache}) and could not be downloaded (")
+    assert error_line(missing).endswith("fix: download it where the hub can be reached (huggingface-cli download "
+                                        "someone/absent), or set model.path=<a local folder>")
 
 
 def test_a_broken_folder_is_named_before_launch(folders, tmp_path):

@@ -5,15 +5,23 @@ The folder's ``config.json`` gives the model's options through the model plugin 
 build another model silently (a RoPE base, a norm epsilon and a routing rule change no tensor's shape), so it is
 refused. The folder's ``tokenizer.json`` and special tokens replace the built-in tokenizer. Its weights are loaded
 by the plugin that loads checkpoints; a job without one would train from random weights, so it is refused too.
+
+``model.path`` (and ``tokenizer.path``) may also name a model on the Hugging Face hub (``Qwen/Qwen3-0.6B``): its
+files (config, safetensors weights, tokenizer) are downloaded once into huggingface_hub's cache, with its progress
+bars, and the job reads the cached folder; offline, or with the hub out of reach, a model already in the cache is
+read from there, and one that is not is one line naming the id and the cache.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import pluggy
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import snapshot_download
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import titan_core.hookspecs as hookspecs
@@ -25,11 +33,37 @@ from titan_core.plugins import Registry, installed_models, model_name, plugin_ob
 FIELD = "model.path"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # organisation/name, as a hub names a model
 CORE_KEYS = ("name", "path")  # the model section's keys that are the core's, not the family's
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
+logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry and cache chatter: the one line says it
+
+
+def from_hub(name: str, field: str, files: list[str]) -> Path:
+    """The local folder of hub model ``name``: huggingface_hub's cached snapshot, downloaded first (only ``files``)
+    when missing and the hub can be reached."""
+    try:
+        return Path(snapshot_download(name, allow_patterns=files))
+    except Exception as error:  # offline, unreachable, unknown or gated id: huggingface_hub's many kinds of error
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ConfigError(field, f"{name} is not in the hub cache ({hub_constants.HF_HUB_CACHE}) and could not be "
+                          f"downloaded ({reason})", f"download it where the hub can be reached (huggingface-cli "
+                          f"download {name}), or set {field}=<a local folder>") from None
+
+
+def local_or_hub(path: str, field: str, files: list[str]) -> str:
+    """``path`` as given, or the cached folder of the hub model it names when no such local path exists."""
+    if Path(path).expanduser().exists() or not HUB_ID.fullmatch(path):
+        return path
+    return str(from_hub(path, field, files))
 
 
 def apply_model_folder(config) -> None:
     """Fill ``config.model`` and ``config.tokenizer`` in place from the folder ``model.path`` names (nothing
     when it is null). Applying it twice changes nothing, so every process of a job may apply it."""
+    tokenizer = config.get("tokenizer") or {}
+    if isinstance(tokenizer.get("path"), str):
+        with open_dict(config):
+            config.tokenizer.path = local_or_hub(tokenizer["path"], "tokenizer.path", TOKENIZER_FILES)
     model = config.get("model") or {}
     path = model.get("path")
     if path is None:
@@ -39,6 +73,7 @@ def apply_model_folder(config) -> None:
         return
     if not isinstance(path, str) or not path:
         raise ConfigError(FIELD, f"{path!r} is not a folder path", "set model.path to a Hugging Face model folder")
+    path = local_or_hub(path, FIELD, MODEL_FILES)
     folder = Path(path).expanduser()
     hf_config = read_config_json(folder)
     options = folder_options(hf_config, config.model.get("name"), folder)
@@ -67,10 +102,6 @@ def read_config_json(folder: Path) -> dict:
         raise ConfigError(FIELD, f"{folder} is a file, not a Hugging Face model folder",
                           f"set model.path={folder.parent}" if folder.name == "config.json" else
                           "point model.path at the folder holding config.json and the weights")
-    if not folder.exists() and HUB_ID.fullmatch(str(folder)):
-        raise ConfigError(FIELD, f"{folder} is not a folder here, and titan-core reads no hub id from the network",
-                          f"download it first (huggingface-cli download {folder} --local-dir <folder>), then set "
-                          "model.path=<folder>")
     if not file.is_file():
         raise ConfigError(FIELD, f"{folder} has no config.json", "point model.path at a Hugging Face model folder")
     try:
