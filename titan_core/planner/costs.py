@@ -219,6 +219,10 @@ def report(result: Estimate) -> str:
         cached = [(plugin, what, evaluated(nbytes, result)) for _, what, nbytes, plugin, when in result.memory_terms
                   if when == "cached"]
         lines += [f"      {plugin}: {what} {_size(nbytes)}" for plugin, what, nbytes in cached if nbytes > 0]
+    if total > hardware.usable_gib * GIB:
+        largest = max(memory, key=memory.__getitem__)
+        lines.append(f"  why it does not fit: {largest}, {_size(memory[largest])}, is the largest part; --recommend "
+                     "with the same overrides tries every plan the enabled plugins offer and lists those that fit")
     seconds = result.step_seconds()
     tokens = config.training.global_batch_size * config.training.seq_len
     flops = result.step_flops()
