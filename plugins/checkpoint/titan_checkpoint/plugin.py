@@ -94,8 +94,8 @@ def check_exportable(tensors: dict[str, torch.Tensor], built: frozenset[str], de
     if added:
         raise ConfigError("plugins.checkpoint.export_hf", f"the model holds {added[0][len('model.'):]} (and "
                           f"{len(added) - 1} more), added by a module conversion, which a Hugging Face folder of "
-                          f"'{description.family}' cannot hold", "set export_hf=false and export them as the plugin "
-                          "that added them does (e.g. an adapter format, or a folder merged from it)")
+                          f"'{description.family}' cannot hold", "set plugins.checkpoint.export_hf=false and export "
+                          "them as the plugin that added them does (e.g. an adapter format, or a folder merged from it)")
 
 
 def checkpoint_to_load(path: Path) -> tuple[str, Path]:

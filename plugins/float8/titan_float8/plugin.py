@@ -58,7 +58,7 @@ def validate(config, plugin_config, plan):
         if recipe != "tensorwise":
             raise ConfigError("plugins.float8.fsdp_float8_all_gather", f"needs recipe=tensorwise, not {recipe} "
                               "(only one scale per tensor can be applied before the all-gather)",
-                              "set recipe=tensorwise or fsdp_float8_all_gather=false")
+                              "set plugins.float8.recipe=tensorwise or plugins.float8.fsdp_float8_all_gather=false")
         if not plan.provides(DATA_PARALLEL_SHARDING):
             raise ConfigError("plugins.float8.fsdp_float8_all_gather", "no enabled plugin shards parameters "
                               "over data-parallel ranks, so there is no all-gather", "enable fsdp or set it to false")

@@ -56,8 +56,8 @@ def validate(plugin_config, plan):
                           f"use one of {', '.join(REDUCE)}")
     if plugin_config.reduce_gradients == "last_micro_batch" and PP in plan.mesh_shape:
         raise ConfigError("plugins.fsdp.reduce_gradients", "a pipeline schedule decides itself when its stages "
-                          "reduce gradients (once per pipeline step)", "set reduce_gradients=every_micro_batch "
-                          "with pp")
+                          "reduce gradients (once per pipeline step)",
+                          "set plugins.fsdp.reduce_gradients=every_micro_batch with pp")
 
 
 @hookimpl

@@ -108,7 +108,7 @@ def _stages_per_rank(plugin_config, kind: ScheduleKind, slots: int, degree: int)
         given = 2 if kind.looped else 1
     if kind.v_shape and given != 2:
         raise ConfigError("plugins.pp.stages_per_rank", f"{name} needs exactly 2 stages per rank, got {given}",
-                          "set stages_per_rank=2 (or layers_per_stage giving 2 stages per rank)")
+                          "set plugins.pp.stages_per_rank=2 (or plugins.pp.layers_per_stage giving 2 stages per rank)")
     if not kind.looped and given != 1:
         raise ConfigError("plugins.pp.stages_per_rank", f"{name} runs one stage per rank, got {given}",
                           "use Interleaved1F1B, LoopedBFS or a zero-bubble schedule for several stages per rank")
@@ -124,7 +124,7 @@ def _check_placement(plugin_config, kind: ScheduleKind) -> None:
     needed = "v" if kind.v_shape else "loop"
     if placement != needed:
         raise ConfigError("plugins.pp.placement", f"{plugin_config.schedule} runs stages in a '{needed}' placement, "
-                          f"not '{placement}'", f"set placement={needed} or null")
+                          f"not '{placement}'", f"set plugins.pp.placement={needed} or null")
 
 
 def _check_microbatches(name: str, kind: ScheduleKind, microbatches: int, num_stages: int, degree: int) -> None:
