@@ -901,9 +901,11 @@ def test_an_outsiders_plugin_that_costs_nothing_says_so_and_is_counted(tmp_path)
     assert "  not counted (no estimate_costs hook): unpriced" in unpriced.stdout.splitlines()
 
 
-def test_the_trackers_are_counted_as_costing_the_devices_nothing():
+def test_the_trackers_are_counted_as_costing_the_devices_nothing(tmp_path):
     *_, plain = _estimate()
-    *_, tracked = _estimate("+plugins=[wandb,mlflow]", "plugins.wandb.mode=offline")
+    # A store the installed client serves: MLflow's own default, a SQLite file, is refused as run refuses it.
+    *_, tracked = _estimate("+plugins=[wandb,mlflow]", "plugins.wandb.mode=offline",
+                            f"plugins.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}")
     assert sorted(tracked.counted) == ["mlflow", "wandb"] and not tracked.not_counted
     assert sum(tracked.memory().values()) == sum(plain.memory().values())
     assert tracked.step_seconds() == plain.step_seconds()

@@ -25,7 +25,7 @@ READ_AS_IS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_mo
               "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
               # run-time placement, and settings that only apply beside a refused one
               "runtime_config", "megatron_core", "qalora_group_size"}
-PEFT_DEFAULTS = (None, False, {}, [], "none")
+PEFT_DEFAULTS: tuple = (None, False, {}, [], "none")
 WHAT = {"use_dora": "DoRA's magnitude vectors", "rank_pattern": "a rank per module", "alpha_pattern": "an alpha per module",
         "modules_to_save": "whole modules trained beside the adapters", "layer_replication": "replicated layers",
         "fan_in_fan_out": "transposed (Conv1D) weights", "bias": "trained biases", "lora_bias": "a bias on lora_B",
