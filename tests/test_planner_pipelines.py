@@ -167,3 +167,29 @@ def test_a_recomputing_pipeline_stage_of_experts_matches_the_tracker(tmp_path):
     for rank, estimated, measured in _each_rank_tracked(overrides, tmp_path):
         assert all(estimated.forward_held(i) > estimated.facts.block_backward[i] for i in estimated.blocks)  # counted
         assert abs(sum(estimated.memory().values()) / measured["Total"] - 1) < 0.03, rank
+
+
+def test_a_schedule_files_plan_is_that_of_the_actions_it_writes(tmp_path):
+    """A pipeline-order file (plugins.pp.schedule_csv) is planned from its actions: each rank's micro-batches in
+    flight from its own order, the bubble from running them. GPipe's actions plan exactly as GPipe (every forward
+    first: all four micro-batches kept), 1F1B's within 2% of 1F1B (the file's order also counts what the sends hold)
+    and with its bubble, (degree - 1) / (micro-batches + degree - 1); the same backwards in reverse on the last stage
+    idle the first rank longer, and the step plans slower."""
+    files = {"GPipe": "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n",
+             "1F1B": "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n",
+             "late": "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B3,1B2,1B1,1B0\n"}
+    pipeline = ("+plugins=[pp]", "plugins.pp.degree=2", "plugins.pp.microbatches=4")
+    planned = {}
+    for name, text in files.items():
+        (tmp_path / f"{name}.csv").write_text(text)
+        *_, planned[name] = _estimate(*pipeline, f"plugins.pp.schedule_csv={tmp_path / f'{name}.csv'}")
+    builtin = {name: _estimate(*pipeline, f"plugins.pp.schedule={name}")[-1] for name in ("GPipe", "1F1B")}
+
+    def per_rank(result):
+        return [sum(rank.memory().values()) for rank in result.each_rank()]
+    assert per_rank(planned["GPipe"]) == per_rank(builtin["GPipe"])
+    assert per_rank(planned["1F1B"]) == pytest.approx(per_rank(builtin["1F1B"]), rel=0.02)
+    assert per_rank(planned["1F1B"])[0] < 0.75 * per_rank(planned["GPipe"])[0]
+    assert planned["1F1B"].bubble == pytest.approx(1 / 5) == builtin["1F1B"].bubble
+    assert planned["late"].bubble == pytest.approx(1 - 12 / 21)  # the first rank's last backward waits till 21
+    assert planned["late"].step_seconds()["step"] > planned["1F1B"].step_seconds()["step"]

@@ -71,3 +71,44 @@ def test_pp2_fsdp2_tp2(titan_parity):
 def test_pp2_fsdp2_tp2_cp2(titan_parity):
     check(titan_parity(["+plugins=[pp,fsdp,tp,cp]", "plugins.fsdp.degree=2", "plugins.tp.degree=2",
                         "plugins.cp.degree=2"]))
+
+
+ONE_F_ONE_B = "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"
+# The same with each backward split into input and weight halves, the weight halves deferred (zero bubble).
+HALVES = ("0F0,0F1,0I0,0F2,0I1,0W0,0F3,0I2,0W1,0I3,0W2,0W3\n"
+          ",1F0,1I0,1W0,1F1,1I1,1W1,1F2,1I2,1W2,1F3,1I3,1W3\n")
+
+
+def interleaved_file(path) -> str:
+    """Torch's own Interleaved1F1B order at pp 2, 2 stages a rank, 4 micro-batches, written as a schedule file."""
+    from omegaconf import OmegaConf
+
+    from titan_pp.costs import torch_order
+    from titan_pp.layout import stage_layout
+
+    defaults = OmegaConf.load(importlib.util.find_spec("titan_pp.conf").submodule_search_locations[0]
+                              + "/plugins/pp.yaml").pp
+    layout = stage_layout(OmegaConf.merge(defaults, {"schedule": "Interleaved1F1B", "microbatches": 4}), 4, 2)
+    rows = [",".join("" if a is None else str(a) for a in torch_order("Interleaved1F1B", layout, rank))
+            for rank in range(2)]
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["1F1B", "halves", "interleaved"])
+def test_a_schedule_file_runs_like_one_process(titan_parity, tmp_path, name):
+    """A pipeline-order file (TorchTitan's custom CSV schedules) run by torch's pipeline runtime: 1F1B's actions,
+    the same with backward in input and weight halves, and torch's Interleaved1F1B order over 4 stages, each
+    against one process."""
+    path = tmp_path / f"{name}.csv"
+    if name == "interleaved":
+        interleaved_file(path)
+    else:
+        path.write_text(ONE_F_ONE_B if name == "1F1B" else HALVES)
+    check(titan_parity(["+plugins=[pp]", "plugins.pp.degree=2", "plugins.pp.microbatches=4",
+                        f"plugins.pp.schedule_csv={path}"]))
+    # Each rank ran the file's actions: 8 of 1F1B's (4 forwards, 4 backwards), 12 in halves, 16 on two stages.
+    actions = {"1F1B": 8, "halves": 12, "interleaved": 16}[name]
+    for rank in range(2):
+        log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+        assert f"pp: torch's pipeline runtime runs the {actions} actions of {path} on this rank" in log

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from torch.distributed.pipelining import schedules
 
 from titan_core import PP, hookimpl
+from titan_pp.csv_schedule import FileSchedule, bubble, read_schedule
 from titan_pp.layout import Layout, schedule_kind
 from titan_pp.plugin import _layout
 
@@ -29,19 +30,23 @@ def estimate_costs(estimate, plugin_config, plan):
     # A schedule of several stages a rank (but LoopedBFS, which runs every forward first) is weighed at each
     # backward of torch's own order of the rank's actions; torch's runtime for them waits for its sends only as
     # the step ends, so that every tensor it sends lives until then.
-    ordered = kind.looped and plugin_config.schedule != "LoopedBFS" and microbatches > 1
+    file = read_schedule(plugin_config.schedule_csv) if plugin_config.schedule_csv is not None else None
+    ordered = (file is not None or kind.looped and plugin_config.schedule != "LoopedBFS") and microbatches > 1
     estimate.output_kept = lambda e: sum(own_kept(e, layout, s) for s in layout.stages_of(e.rank))
     estimate.ranks = [dict(blocks=[i for s in layout.stages_of(r) for i in layout.blocks[s]],
                            holds_inputs=0 in layout.stages_of(r), holds_outputs=last in layout.stages_of(r))
                       for r in range(degree)]
     estimate.blocks = estimate.ranks[0]["blocks"]
     # What each rank keeps in flight is a function of the rank, so that a plugin after this one can wrap it.
-    kept = [in_flight(layout, plugin_config.schedule, ordered, r) for r in range(degree)]
+    kept = [in_flight(layout, plugin_config.schedule, ordered, r, file) for r in range(degree)]
     for name in ("first_backward", "microbatches_in_flight", "weight_halves_waiting", "gradients_made",
                  "backward_regathers"):
         setattr(estimate, name, _of_rank(kept, name, getattr(estimate, name)))
-    rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
-    estimate.bubble = (degree - 1) / (rounds + degree - 1)
+    if file is not None:  # the busiest rank's idle share as the file's actions run
+        estimate.bubble = bubble(file)
+    else:
+        rounds = chunks * microbatches * (3 if kind.zero_bubble else 1)
+        estimate.bubble = (degree - 1) / (rounds + degree - 1)
     add_stage_traffic(estimate, layout, ordered)
 
 
@@ -74,16 +79,16 @@ def own_kept(e, layout: Layout, stage: int) -> float:
     return (not held_elsewhere) * stage_output(e, layout, stage) - (stage > 0) * stream_per_token(e)
 
 
-def in_flight(layout: Layout, schedule: str, ordered: bool, rank: int) -> dict:
+def in_flight(layout: Layout, schedule: str, ordered: bool, rank: int, file: FileSchedule | None = None) -> dict:
     """The fields saying how many micro-batches rank ``rank`` keeps at its first backward of a step and at
     its worst later one, in units of all its blocks (for several stages a rank, as torch's order of its
     actions has them), and whether a forward runs before that later one (else the weights an earlier
-    backward gathered are still gathered: a cool-down)."""
+    backward gathered are still gathered: a cool-down). A schedule ``file`` gives the rank's order itself."""
     if layout.microbatches == 1:
         return {}
     if not ordered:
         return in_flight_forwards_first(layout, schedule, rank)
-    return in_flight_in_torch_order(layout, schedule, rank)
+    return in_flight_in_torch_order(layout, schedule, rank, file)
 
 
 def in_flight_forwards_first(layout: Layout, schedule: str, rank: int) -> dict:
@@ -98,10 +103,12 @@ def in_flight_forwards_first(layout: Layout, schedule: str, rank: int) -> dict:
                 backward_regathers=first == 1)
 
 
-def in_flight_in_torch_order(layout: Layout, schedule: str, rank: int) -> dict:
-    """:func:`in_flight` for a schedule of several stages a rank, weighed at each backward of torch's order."""
+def in_flight_in_torch_order(layout: Layout, schedule: str, rank: int, file: FileSchedule | None = None) -> dict:
+    """:func:`in_flight` for a schedule of several stages a rank (or a file's), weighed at each backward of torch's
+    order (or the file's)."""
     stages = layout.stages_of(rank)
-    first, *later = backward_moments(torch_order(schedule, layout, rank), stages)
+    order = torch_order(schedule, layout, rank) if file is None else file.order[rank]
+    first, *later = backward_moments(order, stages)
     later = _undominated(later)
 
     def worst(e) -> tuple[float, float, float]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_core import ConfigError, count_or_null
+from titan_pp.csv_schedule import FIELD as CSV_FIELD
+from titan_pp.csv_schedule import FileSchedule, read_schedule
 
 
 @dataclass(frozen=True)
@@ -51,16 +53,54 @@ class Layout:
 
 
 def schedule_kind(plugin_config) -> ScheduleKind:
+    if plugin_config.schedule_csv is not None:
+        return file_kind(read_schedule(plugin_config.schedule_csv))
     if plugin_config.schedule not in SCHEDULES:
         raise ConfigError("plugins.pp.schedule", f"unknown schedule '{plugin_config.schedule}'",
                           f"use one of {', '.join(SCHEDULES)}")
     return SCHEDULES[plugin_config.schedule]
 
 
+def schedule_name(plugin_config) -> str:
+    """The schedule as errors name it: torch's schedule, or the file that replaces it."""
+    csv = plugin_config.schedule_csv
+    return plugin_config.schedule if csv is None else f"the schedule in {csv}"
+
+
+def file_kind(schedule: FileSchedule) -> ScheduleKind:
+    """A schedule file's kind: several stages a rank when it has more stages than rows, in a V when the first and
+    last stage share rank 0, and splitting backward when it runs weight halves."""
+    looped = schedule.stages > len(schedule.order)
+    return ScheduleKind(looped=looped, v_shape=looped and schedule.stage_ranks[schedule.stages - 1] == 0,
+                        zero_bubble=schedule.splits_backward)
+
+
+def check_file_fits(schedule: FileSchedule, layout: Layout) -> None:
+    """The schedule file runs the pipeline the options make: a row per pipeline rank, its stages, each on the rank
+    the placement gives it, and its micro-batches."""
+    file = schedule.file
+    if len(schedule.order) != layout.degree:
+        raise ConfigError(CSV_FIELD, f"{file} has {len(schedule.order)} rows (pipeline ranks) for pp degree "
+                          f"{layout.degree}", f"set plugins.pp.degree={len(schedule.order)}, or write a row per rank")
+    if schedule.stages != layout.num_stages:
+        raise ConfigError(CSV_FIELD, f"{file} runs {schedule.stages} stages and the options make "
+                          f"{layout.num_stages}", f"set plugins.pp.stages_per_rank={schedule.stages // layout.degree} "
+                          "(or layers_per_stage giving as many stages)")
+    for rank in range(layout.degree):
+        if schedule.stages_of(rank) != sorted(layout.stages_of(rank)):
+            raise ConfigError(CSV_FIELD, f"{file} runs stages {schedule.stages_of(rank)} on rank {rank}, where the "
+                              f"{'V' if layout.v_shape else 'loop'} placement puts {sorted(layout.stages_of(rank))}",
+                              "place stage s on rank s mod degree (a loop) or, with two stages a rank, s and "
+                              "2 x degree - 1 - s (a V)")
+    if schedule.microbatches != layout.microbatches:
+        raise ConfigError(CSV_FIELD, f"{file} runs {schedule.microbatches} micro-batches and the options make "
+                          f"{layout.microbatches}", f"set plugins.pp.microbatches={schedule.microbatches}")
+
+
 def stage_layout(plugin_config, n_layers: int, degree: int) -> Layout:
     """The layout of ``plugins.pp``; raises ConfigError when the blocks or stages do not fit the schedule."""
     kind = schedule_kind(plugin_config)
-    name = plugin_config.schedule
+    name = schedule_name(plugin_config)
     for field, null in (("microbatches", "one per stage"), ("stages_per_rank", "what the schedule needs"),
                         ("layers_per_stage", "an even split")):
         count_or_null(plugin_config[field], f"plugins.pp.{field}", null)
@@ -88,11 +128,16 @@ def stage_layout(plugin_config, n_layers: int, degree: int) -> Layout:
     _check_placement(plugin_config, kind)
     microbatches = num_stages if plugin_config.microbatches is None else plugin_config.microbatches
     _check_microbatches(name, kind, microbatches, num_stages, degree)
-    return Layout(degree, stages_per_rank, kind.v_shape, blocks, microbatches)
+    layout = Layout(degree, stages_per_rank, kind.v_shape, blocks, microbatches)
+    if plugin_config.schedule_csv is not None:
+        check_file_fits(read_schedule(plugin_config.schedule_csv), layout)
+    return layout
 
 
 def _stages_per_rank(plugin_config, kind: ScheduleKind, slots: int, degree: int) -> int:
-    name, given = plugin_config.schedule, plugin_config.stages_per_rank
+    name, given = schedule_name(plugin_config), plugin_config.stages_per_rank
+    if given is None and plugin_config.schedule_csv is not None:
+        given = max(1, read_schedule(plugin_config.schedule_csv).stages // degree)
     if plugin_config.layers_per_stage is not None:
         per = plugin_config.layers_per_stage
         if slots % per or (slots // per) % degree:
@@ -123,8 +168,8 @@ def _check_placement(plugin_config, kind: ScheduleKind) -> None:
         raise ConfigError("plugins.pp.placement", f"unknown placement '{placement}'", "use loop, v or null")
     needed = "v" if kind.v_shape else "loop"
     if placement != needed:
-        raise ConfigError("plugins.pp.placement", f"{plugin_config.schedule} runs stages in a '{needed}' placement, "
-                          f"not '{placement}'", f"set plugins.pp.placement={needed} or null")
+        raise ConfigError("plugins.pp.placement", f"{schedule_name(plugin_config)} runs stages in a '{needed}' "
+                          f"placement, not '{placement}'", f"set plugins.pp.placement={needed} or null")
 
 
 def _check_microbatches(name: str, kind: ScheduleKind, microbatches: int, num_stages: int, degree: int) -> None:

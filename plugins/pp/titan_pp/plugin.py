@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from pathlib import Path
 
 import torch
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from titan_core import (COMPILE, PIPELINE, PP, SPLIT_BACKWARD, ConfigError, Declaration, ModelDescription,
                         hookimpl, lacks, replace)
-from titan_pp.layout import Layout, schedule_kind, stage_layout
+from titan_pp.layout import Layout, schedule_kind, schedule_name, stage_layout
 
 log = logging.getLogger("titan_core")
 STAGE = 100  # first: the later transforms then see one stage per model part
@@ -27,8 +28,12 @@ STAGE = 100  # first: the later transforms then see one stage per model part
 
 @hookimpl
 def declare(plugin_config):
+    """pp: stage 100, the pp mesh dimension; split backward for a zero-bubble schedule; a schedule file replaces
+    the named schedule."""
     split = {SPLIT_BACKWARD} if schedule_kind(plugin_config).zero_bubble else set()
-    return Declaration(stage=STAGE, mesh={PP: plugin_config.degree}, provides=frozenset({PIPELINE, *split}))
+    return Declaration(stage=STAGE, mesh={PP: plugin_config.degree}, provides=frozenset({PIPELINE, *split}),
+                       acts_only={"schedule": ("plugins.pp.schedule_csv=null",
+                                               lambda options, config: options.schedule_csv is None)})
 
 
 @hookimpl
@@ -39,8 +44,8 @@ def validate(config, plugin_config, plan):
                               "remove pp from +plugins=[...], or describe the model's blocks, inputs and outputs")
     layout = _layout(plugin_config, plan)
     if schedule_kind(plugin_config).zero_bubble and plan.provides(COMPILE):
-        raise ConfigError("plugins.pp.schedule", f"{plugin_config.schedule} splits backward into input and weight "
-                          "halves, which torch refuses for compiled stages",
+        raise ConfigError("plugins.pp.schedule", f"{schedule_name(plugin_config)} splits backward into input and "
+                          "weight halves, which torch refuses for compiled stages",
                           "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS with compile, or disable compile")
     training = config.training
     split = plan.dp_size * training.grad_accum_steps
@@ -90,16 +95,22 @@ class PipelineStep:
     """
 
     def __init__(self, schedule_name: str, stages: list[PipelineStage], microbatches: int, loss_fn,
-                 grad_accum_steps: int):
+                 grad_accum_steps: int, schedule_csv: str | None = None):
+        """``schedule_csv``: a pipeline-order file whose actions torch's runtime runs instead of ``schedule_name``'s."""
         self.holds_first = any(s.is_first for s in stages)
         self.holds_last = any(s.is_last for s in stages)
         self.loss_fn = loss_fn
         self.scale = microbatches * grad_accum_steps
         self.loss_weight = 1 / self.scale  # for losses the model adds inside its stages (titan_core.objective)
-        schedule_class = schedules.get_schedule_class(schedule_name)
+        schedule_class = (schedules.get_schedule_class(schedule_name) if schedule_csv is None
+                          else schedules._PipelineScheduleRuntime)
         looped = issubclass(schedule_class, schedules.PipelineScheduleMulti)
         self.schedule = schedule_class(stages if looped else stages[0], n_microbatches=microbatches,
                                        loss_fn=self.scaled_loss, scale_grads=False)
+        if schedule_csv is not None:  # checked before launch: titan_pp.csv_schedule
+            self.schedule._load_csv(str(Path(schedule_csv).expanduser()))
+            log.info("pp: torch's pipeline runtime runs the %d actions of %s on this rank", sum(
+                action is not None for action in self.schedule.pipeline_order[stages[0].group_rank]), schedule_csv)
         # torch's eval() of a schedule of several stages per rank still runs the order's backward actions, and
         # those of the V-shaped schedules (ZBV, DualPipeV) fail without a backward (torch 2.13): evaluation runs
         # the same schedule (whose eval/train switch re-prepares the stages) with its forward actions only.
@@ -157,7 +168,7 @@ def build_schedule(model_parts, mesh, config, loss_fn, plugin_config, plan):
     stages = [TracelessStage(part, index, layout.num_stages, device, group=group)
               for part, index in zip(model_parts, layout.stages_of(mesh.local_rank(PP)))]
     return PipelineStep(plugin_config.schedule, stages, layout.microbatches, loss_fn,
-                        config.training.grad_accum_steps)
+                        config.training.grad_accum_steps, plugin_config.schedule_csv)
 
 
 class TracelessStage(PipelineStage):
