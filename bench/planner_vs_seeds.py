@@ -146,7 +146,9 @@ def table(rows) -> dict[str, dict[str, list[float]]]:
     errors: dict[str, dict[str, list[float]]] = {}
     for card, name, overrides, tps, memory in rows:
         got_tps, allocated, got_memory = predicted(overrides, card)
-        card_errors = errors.setdefault(card, {"tps": [], "memory": []})
+        card_errors = errors.setdefault(card, {"tps": [], "memory": [], "planned unfit": []})
+        if allocated > hardware_profile(card).usable_gib:  # it ran: a plan saying it does not fit is wrong
+            card_errors["planned unfit"].append(name)
         card_errors["tps"].append(got_tps / tps - 1)
         memory_error = "" if memory is None else f"{got_memory / memory - 1:+.0%}"
         if memory is not None:
@@ -181,6 +183,8 @@ def main() -> None:
         usable = hardware_profile(card).usable_gib
         print(f"{name}: {allocated:.1f} GiB allocated, {'does not fit' if allocated > usable else 'FITS'} in "
               f"{usable:.1f}")
+    unfit = [name for errors in (seeds, cards) for kinds in errors.values() for name in kinds["planned unfit"]]
+    print(f"\nPublished runs that ran, planned as not fitting: {', '.join(unfit) or 'none'}")
     print("\nEvery H100 row, and every row of every card:\n")
     by_card = [seeds, cards]
     summary({"h100": {what: [v for errors in by_card for card, kinds in errors.items() if card.startswith("h100")
