@@ -51,8 +51,9 @@ def from_hub(name: str, field: str, files: list[str]) -> Path:
 
 
 def local_or_hub(path: str, field: str, files: list[str]) -> str:
-    """``path`` as given, or the cached folder of the hub model it names when no such local path exists."""
-    if Path(path).expanduser().exists() or not HUB_ID.fullmatch(path):
+    """``path`` as given, or the cached folder of the hub model it names when no such local path exists (a missing
+    file such as ``tokenizer.json`` stays a missing file, named as such)."""
+    if Path(path).expanduser().exists() or not HUB_ID.fullmatch(path) or path.endswith(".json"):
         return path
     return str(from_hub(path, field, files))
 
