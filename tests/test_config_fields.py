@@ -106,6 +106,7 @@ PLUGIN_BAD = {
     "plugins.pp.degree": "0", "plugins.pp.schedule": "Zigzag", "plugins.pp.microbatches": ("0", "abc"),
     "plugins.pp.stages_per_rank": ("0", "1.5"), "plugins.pp.layers_per_stage": ("0", "true"), "plugins.pp.first_stage_fewer_layers": "-1",
     "plugins.pp.last_stage_fewer_layers": "2.5", "plugins.pp.placement": ("zigzag", "7"),
+    "plugins.pp.schedule_csv": ("/nonexistent/schedule.csv", "7"),
     "plugins.simplefsdp.degree": "-2", "plugins.simplefsdp.replicate_degree": "0",
     "plugins.simplefsdp.param_dtype": "int8", "plugins.simplefsdp.reduce_dtype": "half",
     "plugins.tp.degree": "abc", "plugins.tp.sequence_parallel": "1", "plugins.tp.loss_parallel": "2",

@@ -18,7 +18,7 @@ from pathlib import Path
 from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD,
                                                      _Action)
 
-from titan_core import ConfigError
+from titan_core import ConfigError, text_or_null
 
 FIELD = "plugins.pp.schedule_csv"
 # Each action's time in forwards: a full backward makes two matrix products for each of the forward's.
@@ -51,7 +51,7 @@ class FileSchedule:
 def read_schedule(path: str) -> FileSchedule:
     """The schedule in the CSV file ``path``, each of its cells a compute action or empty, each stage on one rank
     and every stage running every micro-batch forward and backward exactly once."""
-    file = Path(path).expanduser()
+    file = Path(text_or_null(path, FIELD)).expanduser()
     if not file.is_file():
         raise ConfigError(FIELD, f"{file} is not a file", "point it at a pipeline-order CSV (a row per pipeline rank)")
     with open(file, newline="") as opened:
