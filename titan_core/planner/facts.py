@@ -501,6 +501,24 @@ def _saved_per_token(tracer: _Tracer, blocks: int, logits) -> tuple[list[float],
     return per_block, streams, outer, outer_logits
 
 
+def _parameter_counts(model, description, blocks: list, seq_len: int) -> dict:
+    """The :class:`ModelFacts` fields that count parameters: by block and outer part, all of them and those that
+    train, and the training FLOPs per token without frozen weights' gradients."""
+    ends = {group: [p for path in paths or () for p in model.get_submodule(path).parameters()]
+            for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
+    counts = {group: sum(p.numel() for p in parameters) for group, parameters in ends.items()}
+    trained = {group: sum(p.numel() for p in parameters if p.requires_grad) for group, parameters in ends.items()}
+    block_params = tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
+    block_trained = tuple(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks)
+    other = sum(p.numel() for p in model.parameters()) - sum(block_params) - counts["inputs"] - counts["outputs"]
+    other_trained = (sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(block_trained)
+                     - trained["inputs"] - trained["outputs"])
+    return dict(block_params=block_params, inputs_params=counts["inputs"], outputs_params=counts["outputs"],
+                other_params=other, block_trained=block_trained, inputs_trained=trained["inputs"],
+                outputs_trained=trained["outputs"], other_trained=other_trained,
+                trained_flops=trained_flops_per_token(model, description, seq_len)[0])
+
+
 def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, documents: bool,
                   autocast: str | None) -> ModelFacts:
     """``autocast``: the device type whose autocast the forward runs under (on fake CPU tensors), or None."""
@@ -554,20 +572,7 @@ def _traced_facts(description, build, dtype: torch.dtype, seq_len: int, document
                  if p.grad is not None and id(p.grad.untyped_storage()) in tracer.alive}
     block_backward, loss_backward = tracer.backward_peaks(gradients, len(blocks))
     per_block, streams, outer, outer_logits = _saved_per_token(tracer, len(blocks), logits)
-    ends = {group: [p for path in paths or () for p in model.get_submodule(path).parameters()]
-            for group, paths in (("inputs", description.inputs), ("outputs", description.outputs))}
-    counts = {group: sum(p.numel() for p in parameters) for group, parameters in ends.items()}
-    trained = {group: sum(p.numel() for p in parameters if p.requires_grad) for group, parameters in ends.items()}
-    block_params = tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
-    block_trained = tuple(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks)
-    total = sum(p.numel() for p in model.parameters())
-    other_trained = (sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(block_trained)
-                     - trained["inputs"] - trained["outputs"])
-    return ModelFacts(block_params=block_params, inputs_params=counts["inputs"], outputs_params=counts["outputs"],
-                      block_trained=block_trained, inputs_trained=trained["inputs"],
-                      outputs_trained=trained["outputs"], other_trained=other_trained,
-                      trained_flops=trained_flops_per_token(model, description, seq_len)[0],
-                      other_params=total - sum(block_params) - counts["inputs"] - counts["outputs"],
+    return ModelFacts(**_parameter_counts(model, description, blocks, seq_len),
                       block_saved=tuple(per_block), block_stream_saved=tuple(streams), block_input=tracer.block_input,
                       outer_saved=outer, outer_logits=outer_logits, block_made=tuple(tracer.made),
                       block_product_flops=tuple(tracer.product_flops), attention_kv=tracer.attention_kv,
