@@ -1,7 +1,7 @@
 """PEFT's LoRA adapter format, as far as a tool that applies an adapter needs it: which fields of an
 ``adapter_config.json`` change what the adapter computes beyond what titan-core computes, and the update each adapted
-weight of the base receives (``scale * B @ A``, by the base folder's tensor name). The lora plugin reads and writes
-adapters with it; its merge tool and generate's ``--adapter`` fold them into a base."""
+weight of the base receives (``scale * B @ A``, by the base folder's tensor name): for the plugins that read, write
+or fold adapters, which may not import each other."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Chat templates of Hugging Face tokenizer folders: where a folder keeps its template, and the text a conversation
 renders to under it, as transformers renders it (a sandboxed Jinja environment with the same filters and globals),
-for the commands that need no transformers (generate's ``--chat``)."""
+for the plugins' commands that do without transformers."""
 
 from __future__ import annotations
 

@@ -200,8 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.seed is not None:
         generator.manual_seed(args.seed)
     stream = Stream(tokenizer.decode)
-    chosen, prompt_logits = generate(model, ids, args.new_tokens, stop_ids(args.model, tokenizer.eos_id),
-                                     Sampling(args.temperature, args.top_k, args.top_p), generator, stream)
+    try:
+        chosen, prompt_logits = generate(model, ids, args.new_tokens, stop_ids(args.model, tokenizer.eos_id),
+                                         Sampling(args.temperature, args.top_k, args.top_p), generator, stream)
+    except KeyboardInterrupt:  # Ctrl-C while tokens stream: what was printed stays, one line says why it ended
+        print(f"\ntitan-checkpoint: stopped by SIGINT after {len(stream.printed)} characters", file=sys.stderr)
+        sys.exit(130)
     stream.end(chosen)
     if args.logits is not None:
         torch.save(prompt_logits[0], args.logits)

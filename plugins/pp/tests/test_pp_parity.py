@@ -112,3 +112,12 @@ def test_a_schedule_file_runs_like_one_process(titan_parity, tmp_path, name):
     for rank in range(2):
         log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
         assert f"pp: torch's pipeline runtime runs the {actions} actions of {path} on this rank" in log
+
+
+def test_a_schedule_file_under_fsdp_and_full_checkpointing_runs_like_one_process(titan_parity, tmp_path):
+    """pp 2 x fsdp 2 with full activation checkpointing, the schedule from 1F1B's file: torch's runtime adds the
+    FSDP unshards and reshards to the file's actions."""
+    path = tmp_path / "1F1B.csv"
+    path.write_text(ONE_F_ONE_B)
+    check(titan_parity(["+plugins=[pp,fsdp,ac]", "plugins.fsdp.degree=2", "plugins.ac.mode=full",
+                        "plugins.pp.degree=2", "plugins.pp.microbatches=4", f"plugins.pp.schedule_csv={path}"]))
