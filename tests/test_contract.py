@@ -484,6 +484,40 @@ def test_a_failing_run_tells_the_plugins_before_its_one_line(tmp_path, replica):
     assert (seen["error"], seen["step"]) == ("RuntimeError: injected at step 2", 2)
 
 
+SLOW_TO_REPORT = """
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from titan_core import hookimpl
+
+
+@hookimpl
+def on_step_end(step):
+    \"\"\"slow: rank 1 fails after step 2.\"\"\"
+    if step == 2 and dist.get_rank() == 1:
+        raise RuntimeError("injected after step 2")
+
+
+@hookimpl
+def on_error(error, plugin_config):
+    \"\"\"slow: rank 0 writes what reached it, after a while (as a tracker's server would answer).\"\"\"
+    if dist.get_rank() == 0:
+        time.sleep(plugin_config.seconds)
+        Path(plugin_config.out, "rank0.txt").write_text(str(error))
+"""
+
+
+def test_a_peers_failure_lets_this_ranks_plugins_finish_their_answers(tmp_path):
+    """Rank 1 fails and exits; the elastic agent then sends SIGTERM to rank 0, still in its on_error. The answer is
+    finished (before, a tracker's run record was cut mid-write: MLflow could no longer read that run)."""
+    env = install_plugins(tmp_path / "site", {"slow": (SLOW_TO_REPORT, f"seconds: 2\nout: {tmp_path}\n")})
+    result = run_job([*TINY, "training.steps=3", "+plugins=[slow,fsdp]", "plugins.fsdp.degree=2"], tmp_path / "run",
+                     env=env, expect_success=False)
+    assert result.returncode == 1 and "rank 1 failed: RuntimeError: injected after step 2" in result.stderr
+    assert (tmp_path / "rank0.txt").read_text() == "rank 1: RuntimeError: injected after step 2"
+
+
 ORDERED = """
 from titan_core import hookimpl
 

@@ -95,12 +95,18 @@ def train(config, run_dir: Path, own_crash_line: bool = False) -> signal.Signals
 
 
 def _tell_plugins(hooks: Hooks, error: BaseException, step: int, config) -> None:
-    """The ``on_error`` event, every plugin's answer given its chance whatever another's raises."""
-    for name in hooks.implementing("on_error"):
-        try:
-            hooks.call(name, "on_error", error=error, step=step, config=config)
-        except Exception:
-            log.exception("the on_error hook of %s failed too", name)
+    """The ``on_error`` event, every plugin's answer given its chance whatever another's raises. The elastic agent
+    sends SIGTERM to this rank as soon as a failed peer has exited: the answers (a tracker rewriting its run's
+    record) finish first, or a record is left half written; the agent kills after ``launch.stop_timeout_s``."""
+    terminate = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        for name in hooks.implementing("on_error"):
+            try:
+                hooks.call(name, "on_error", error=error, step=step, config=config)
+            except Exception:
+                log.exception("the on_error hook of %s failed too", name)
+    finally:
+        signal.signal(signal.SIGTERM, terminate)
 
 
 class RankFailed(RuntimeError):
