@@ -21,7 +21,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     options           FLOAT_DTYPES, float_dtype, compute_dtype, count_or_null, text_or_null, replica_count, check_positive
     tools             load_tokenizer, tokenizer_file, special_tokens, model_description, build_meta_model,
                       folder_config, find_chat_template, render_chat; PEFT adapters: peft_updates, uncomputed_field,
-                      PEFT_PREFIX, ADAPTER_FILES
+                      PEFT_PREFIX, ADAPTER_FILES; library_logs_at_debug, TORCHAO_LOGGERS (start-up chatter)
     errors            ConfigError (bad input: exit 2), StorageError (a full or read-only disk: exit 74)
 
 The planner is a room beside the core with a front door of its own, :mod:`titan_core.planner`, which a plugin's
@@ -43,6 +43,7 @@ from titan_core.peft import ADAPTER_FILES, PEFT_PREFIX, peft_updates, uncomputed
 from titan_core.hookspecs import hookimpl, hookspec
 from titan_core.huggingface import HFAdapter, StoredLayout, check_hf_config
 from titan_core.initialization import local_box
+from titan_core.library_logs import TORCHAO_LOGGERS, library_logs_at_debug
 from titan_core.job.model_folder import folder_config
 from titan_core.mesh import ParallelMesh, device_kind
 from titan_core.moe.layer import MoE, MoeOptions, SwiGLU, check_moe_options
@@ -84,6 +85,6 @@ __all__ = [
     # tools
     "load_tokenizer", "tokenizer_file", "special_tokens", "model_description", "build_meta_model", "folder_config",
     "find_chat_template", "render_chat", "peft_updates", "uncomputed_field", "PEFT_PREFIX", "ADAPTER_FILES",
-    # errors
-    "ConfigError", "StorageError", "EXIT_BAD_INPUT", "EXIT_STORAGE",
+    # errors; libraries' start-up chatter
+    "ConfigError", "StorageError", "EXIT_BAD_INPUT", "EXIT_STORAGE", "library_logs_at_debug", "TORCHAO_LOGGERS",
 ]

@@ -59,7 +59,7 @@ class TensorParallelLayout:
     ``block_norms`` are norms on the residual stream (split along the sequence under sequence parallel, replicated
     otherwise), ``head_norms`` are norms applied per head to a (batch, seq, heads, head_dim) tensor (QK-norm: each
     rank normalizes its own heads), and ``block_regions`` are the sub-modules entered from the residual stream,
-    whose first positional argument is the stream: it arrives as a replicated DTensor (gathered there under sequence
+    whose first argument (positional, else keyword) is the stream: it arrives as a replicated DTensor (gathered under sequence
     parallel), which the region passes only to its linears and ``block_replicated`` modules (compile compiles the
     regions one by one under TP). On the root: ``embeddings`` are lookup tables split by rows (vocabulary or positions; their input
     ids are replicated and their output is the residual stream), ``final_norms`` norms on the stream, ``output`` the
@@ -68,7 +68,8 @@ class TensorParallelLayout:
     modules run whole on every rank (down-projections, their norms), and ``head_shared`` ones (often an identity)
     output what every head uses, like a key shared by all heads: their gradient is summed over the ranks' heads.
     ``head_parameters`` are a block's parameters holding one row per query head (attention sinks): split by rows
-    like the query projection's heads, and taken locally by the attention seam.
+    like the query projection's heads, and taken locally by the attention seam. ``sequence_parallel``: False when
+    the blocks cannot take a stream split by sequence (they derive positions or masks from its length).
     """
 
     block_colwise: tuple[str, ...]
@@ -83,6 +84,7 @@ class TensorParallelLayout:
     block_replicated: tuple[str, ...] = ()
     head_shared: tuple[str, ...] = ()
     head_parameters: tuple[str, ...] = ()
+    sequence_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class ModelDescription:
     """A model as the parallelism plugins and the core see it.
 
     Required:
-      ``family``: the model plugin's name (``model.name``).
+      ``family``: the model's name in messages and records (``model.name``, or one more precise).
       ``args``: the model's own resolved options; the core hands them back to ``build_model``.
       ``n_layers``: how many blocks ``blocks`` holds, keyed "0" .. "n_layers - 1" (kept by stages: names never change).
       ``param_init(name) -> ParamInit``: the initial distribution of a parameter, by canonical name.

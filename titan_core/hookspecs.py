@@ -104,14 +104,15 @@ def describe_model(model_config: DictConfig, vocab_size: int, seq_len: int) -> M
 
 
 @hookspec
-def hf_model_options(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+def hf_model_options(hf_config: dict[str, Any], selected: bool) -> dict[str, Any] | None:
     """The ``model.*`` options that rebuild the model a Hugging Face ``config.json`` describes.
 
     Runs in the launcher and in every worker when ``model.path`` names a Hugging Face folder, before
     ``describe_model``: on the model plugin ``model.name`` selects or, when it is null, on every installed model
-    plugin (exactly one must answer).
+    plugin (exactly one must answer; a generic backend, which reads any ``model_type``, then answers None).
 
     :param hf_config: The folder's ``config.json`` (transformers 4 or 5 field names).
+    :param selected: Whether ``model.name`` names this plugin (False: every installed one is asked).
     :returns: The options (``name`` included) reproducing every field that changes the model's output, or None
         when the file is not of this plugin's family (its ``model_type``).
     """
@@ -136,8 +137,7 @@ def build_model(description: ModelDescription) -> nn.Module:
 
 @hookspec
 def convert_modules(model: nn.Module, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
-    """Swap modules of the model for other implementations: low-precision training (float8), adapters (LoRA), fake
-    quantization (QAT).
+    """Swap modules of the model for other implementations: low precision (float8), adapters (LoRA), fake quantization.
 
     Runs once per worker on the meta model after ``build_model`` and before any parallelism, in every plugin
     implementing it, in plan order: each sees the modules the previous ones converted, and the parallelism applied later

@@ -109,8 +109,7 @@ class Plan:
         return [p.name for p in self.plugins]
 
     def degree(self, dim: str) -> int:
-        """How many ranks ``dim`` spans (1 when the plan does not have it); ``rest_of(d)``: the borrowed ranks that
-        ``d`` leaves."""
+        """How many ranks ``dim`` spans (1 when the plan lacks it); ``rest_of(d)``: the borrowed ranks ``d`` leaves."""
         for borrower, (degree, dims) in self.borrowed().items():
             if dim == rest_of(borrower):
                 return math.prod(self.mesh_shape[d] for d in dims) // degree

@@ -161,7 +161,6 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
         set_collective_timeout(config.launch.init_timeout_s)
-
         model = converted_model(hooks, config)
         flops = trained_flops_per_token(model, plan.model, training.seq_len)  # the whole model's, before any split
         model_parts = build_model_parts(hooks, mesh, config, device, model)
@@ -169,7 +168,6 @@ class Trainer:
                            for part in model_parts for p in part.parameters())
         log.info("rank %d of %d on %s: mesh %s, %d model part(s), %.3gM parameters held locally",
                  rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
-
         self.step = build_training_step(hooks, mesh, config, model_parts, device, tokenizer.bos_id)
         dp_rank = mesh.local_rank(*plan.data_parallel_dims)
         loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank,

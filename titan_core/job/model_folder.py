@@ -87,11 +87,11 @@ def apply_model_folder(config) -> None:
         config.tokenizer = folder_tokenizer(config.tokenizer, folder)
 
 
-def folder_config(folder: str | Path, seq_len: int) -> DictConfig:
+def folder_config(folder: str | Path, seq_len: int, model: str | None = None) -> DictConfig:
     """The ``model``, ``tokenizer`` and ``training.seq_len`` sections a job starting from the Hugging Face
-    ``folder`` gets, for tools that train nothing (``model_description``, ``build_meta_model``, ``load_tokenizer``
-    take it)."""
-    config = OmegaConf.create({"model": {"name": None, "path": str(folder)}, "tokenizer": core_defaults()["tokenizer"],
+    ``folder`` gets (its model built by the plugin ``model`` names, else by the one reading its model_type), for
+    tools that train nothing (``model_description``, ``build_meta_model``, ``load_tokenizer`` take it)."""
+    config = OmegaConf.create({"model": {"name": model, "path": str(folder)}, "tokenizer": core_defaults()["tokenizer"],
                                "training": {"seq_len": seq_len}})
     apply_model_folder(config)
     return config
@@ -125,7 +125,8 @@ def folder_options(hf_config: dict, name: str | None, folder: Path) -> dict:
         except pluggy.PluginValidationError as error:
             raise ConfigError(f"model.{model}", f"model plugin '{model}' does not fit the hook contract: {error}",
                               "fix its hook implementations (see titan_core.hookspecs)") from None
-    answers = [a for a in manager.hook.hf_model_options(hf_config=hf_config) if a is not None]
+    answers = [answer for answer in manager.hook.hf_model_options(hf_config=hf_config, selected=name is not None)
+               if answer is not None]
     model_type = hf_config.get("model_type")
     if not answers:
         readers = f"model '{name}'" if name else f"any installed model plugin ({', '.join(sorted(models))})"

@@ -20,9 +20,8 @@ from typing import Any, NamedTuple
 
 from titan_core.data import load_tokenizer
 from titan_core.errors import EXIT_BAD_INPUT, ConfigError
-from titan_core.job.command_line import composed
 from titan_core.planner.calibrate import calibrate
-from titan_core.planner.costs import planned_job, report
+from titan_core.planner.costs import composed_job, planned_job, report
 from titan_core.planner.hardware import hardware_profile
 from titan_core.planner.recommend import recommend
 from titan_core.preemption import exit_code
@@ -121,7 +120,7 @@ def recommendations(argv: list[str]) -> str:
     """The best plans for the cluster of a command line, as the command lines that run them."""
     flags = split_flags(argv)
     overrides, hardware = flags.overrides, hardware_profile(flags.hardware or DEFAULT_HARDWARE)
-    config = composed(overrides)
+    config = composed_job(overrides)
     best, tried = recommend(config, hardware, load_tokenizer(config.tokenizer).vocab_size, flags.expert_load,
                             flags.expert_load_peak)
     world = config.launch.world_size

@@ -12,6 +12,7 @@ from titan_core.errors import ConfigError
 from titan_core.hookspecs import hookimpl
 from titan_core.job.checks import check_job
 from titan_core.job.command_line import composed
+from titan_core.job.model_folder import apply_model_folder
 from titan_core.mesh import device_kind
 from titan_core.moe.routing import ExpertRouting
 from titan_core.options import FLOAT_DTYPES, compute_dtype
@@ -132,11 +133,19 @@ def planned_job(overrides: list[str], hardware: Hardware, expert_load: float = 1
     """The plan and the estimate on ``hardware`` of the job ``overrides`` describe, composed and checked as
     ``python -m titan_core.run`` checks it, its experts routed as unevenly as ``expert_load`` (over the step) and
     ``expert_load_peak`` (over the busiest micro-batch) say; raises ConfigError on bad input."""
-    config = on_hardware(composed(overrides), hardware)
+    config = on_hardware(composed_job(overrides), hardware)
     registry = Registry(config)
     plan = build_plan(config, registry, None, load_tokenizer(config.tokenizer).vocab_size)
     check_job(config, plan)
     return plan, estimate(config, plan, registry, hardware, expert_load=expert_load, expert_load_peak=expert_load_peak)
+
+
+def composed_job(overrides: list[str]):
+    """The job config of ``overrides`` as the launcher reads it: composed and checked, its model and tokenizer
+    taken from the Hugging Face folder it starts from (``model.path``)."""
+    config = composed(overrides)
+    apply_model_folder(config)
+    return config
 
 
 def on_hardware(config, hardware: Hardware):

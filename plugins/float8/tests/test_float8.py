@@ -11,7 +11,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from titan_core import ConfigError
+from titan_core import TORCHAO_LOGGERS, ConfigError, library_logs_at_debug
 from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer
 from titan_llama3.plugin import describe
@@ -86,7 +86,7 @@ def test_mxfp8_emulated_trains_close_to_fp32(titan_reference, tmp_path):
 
 def test_torchao_start_up_noise_is_kept_at_debug(caplog):
     caplog.set_level(logging.DEBUG, logger="titan_core")
-    with plugin.torchao_noise_at_debug():
+    with library_logs_at_debug(*TORCHAO_LOGGERS):
         logging.getLogger("torchao.kernel.intmm").warning("Detected no triton")
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         ("titan_core", logging.DEBUG, "torchao.kernel.intmm: Detected no triton")]

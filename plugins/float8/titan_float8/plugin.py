@@ -9,7 +9,6 @@ With ``fsdp_float8_all_gather`` the FSDP all-gather sends float8 weights (half t
 their scales are then computed for all layers at once after each optimizer step, in one all-reduce.
 """
 
-import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -17,8 +16,8 @@ import logging
 import torch
 from torch import nn
 
-from titan_core import (DATA_PARALLEL_SHARDING, ConfigError, Declaration, GatherCasts, canonical_name, cast_gathers,
-                        device_kind, hookimpl)
+from titan_core import (DATA_PARALLEL_SHARDING, TORCHAO_LOGGERS, ConfigError, Declaration, GatherCasts, canonical_name,
+                        cast_gathers, device_kind, hookimpl, library_logs_at_debug)
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 EMULATED_MXFP8 = "mxfp8_emulated_rceil"  # MXFP8's casts computed in high precision: any device, slowly
@@ -80,37 +79,12 @@ def convert_modules(model, config, plugin_config, plan):
     """float8: swap the model's convertible Linear layers for torchao's float8 (or MXFP8) training ones; with
     tensorwise scales, tensor parallel gathers their inputs and output gradients in float8."""
     skipped = (*plan.model.float8_skip, *plugin_config.filter_fqns)
-    with torchao_noise_at_debug():
+    with library_logs_at_debug(*TORCHAO_LOGGERS):
         if plugin_config.recipe in MXFP8_RECIPES:
             convert_mxfp8(model, plugin_config.recipe, skipped)
         else:
             convert_float8_linears(model, plugin_config.recipe, skipped, plugin_config.fsdp_float8_all_gather,
                                    device_kind(config.launch.device))
-
-
-class _AtDebug(logging.Handler):
-    """Re-logs a library's record at DEBUG on titan_core's logger."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        log.debug("%s: %s", record.name, record.getMessage())
-
-
-@contextlib.contextmanager
-def torchao_noise_at_debug():
-    """torchao's known start-up warnings at DEBUG, not on the console: without its CUDA kernels it warns
-    "Failed to load ... .so" for each and "Detected no triton", and its Enum registration trips a pytree
-    deprecation warning. None is anything a user can act on; our own checks refuse what cannot run."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    handler, propagates = _AtDebug(), [logger.propagate for logger in loggers]
-    for logger in loggers:  # records of child loggers (torchao.kernel.*) reach this handler and stop there
-        logger.addHandler(handler)
-        logger.propagate = False
-    try:
-        yield
-    finally:
-        for logger, propagate in zip(loggers, propagates):
-            logger.removeHandler(handler)
-            logger.propagate = propagate
 
 
 def convert_float8_linears(model: nn.Module, recipe: str, skipped, fsdp_float8_all_gather: bool,

@@ -55,6 +55,10 @@ def validate(config, plugin_config, plan):
         if count % degree:
             raise ConfigError(field, f"{count} does not split over tp degree {degree}",
                               f"choose plugins.tp.degree dividing {count}")
+    if plugin_config.sequence_parallel and not layout.sequence_parallel:
+        raise ConfigError("plugins.tp.sequence_parallel", f"model '{plan.model.family}' cannot take a residual stream "
+                          "split by sequence (its layout says sequence_parallel=False)",
+                          "set plugins.tp.sequence_parallel=false")
     experts = plan.model.experts
     if experts is not None:
         _check_token_split(experts, plan)
@@ -237,22 +241,24 @@ def split_tokens(layer: nn.Module, tp_mesh, sp: bool) -> None:
 
 
 def enter_whole(region: nn.Module, tp_mesh, sp: bool, readers: list[nn.Module]) -> None:
-    """The residual stream (the region's first argument) enters a sub-layer as one replicated DTensor that all its
-    linears share: under sequence parallel gathered once, not once per projection, and cast before the gather when
-    every linear reading it asks for the same cast (``GatherCasts.input``); in backward the column-wise linears'
-    partial input gradients add up before one reduction (a reduce-scatter, or without sequence parallel an
-    all-reduce), where a plain tensor would have each linear all-reduce its own. Other arguments (RoPE tables,
-    masks) pass untouched."""
-    def enter(module, args):
-        stream = args[0]  # a DTensor when a sequence-parallel norm produced it
+    """The residual stream (the region's first argument: its first positional one, else its first keyword one)
+    enters a sub-layer as one replicated DTensor that all its linears share: under sequence parallel gathered once,
+    not once per projection, and cast before the gather when every linear reading it asks for the same cast
+    (``GatherCasts.input``); in backward the column-wise linears' partial input gradients add up before one
+    reduction (a reduce-scatter, or without sequence parallel an all-reduce), where a plain tensor would have each
+    linear all-reduce its own. Other arguments (RoPE tables, masks) pass untouched."""
+    def enter(module, args, kwargs):
+        key = None if args else next(iter(kwargs))
+        stream = args[0] if key is None else kwargs[key]  # a DTensor when a sequence-parallel norm produced it
         if not isinstance(stream, DTensor):
             stream = DTensor.from_local(stream, tp_mesh, [Shard(1) if sp else Replicate()], run_check=False)
         # Read at each call: a conversion after this plugin's stage may keep a reader's precision.
         cast = shared_input_cast(readers) if sp else None
         if cast is not None:
             stream = cast(stream)
-        return (stream.redistribute(placements=[Replicate()]), *args[1:])
-    region.register_forward_pre_hook(enter)
+        whole = stream.redistribute(placements=[Replicate()])
+        return ((whole, *args[1:]), kwargs) if key is None else (args, {**kwargs, key: whole})
+    region.register_forward_pre_hook(enter, with_kwargs=True)
 
 
 def split_by_heads(block: nn.Module, name: str, tp_mesh) -> None:
