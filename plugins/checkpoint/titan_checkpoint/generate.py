@@ -36,10 +36,14 @@ from titan_checkpoint.convert import read_model_weights
 from titan_checkpoint.hf import load_hf_slices
 
 
-def job_config(source: Path, config_path: Path | None):
-    """The model and tokenizer of a Hugging Face folder, or of the run that saved a checkpoint."""
+def job_config(source: Path, config_path: Path | None, model: str | None = None):
+    """The model and tokenizer of a Hugging Face folder (built by the model plugin ``model`` names, else by the one
+    reading its model_type), or of the run that saved a checkpoint."""
     if is_hf_folder(source):
-        return folder_config(source, seq_len=1)
+        return folder_config(source, seq_len=1, model=model)
+    if model is not None:
+        raise ConfigError("--model-plugin", f"{source} is a checkpoint, whose run config names its model",
+                          "drop --model-plugin (it chooses the plugin that builds a Hugging Face folder)")
     config_path = config_path or source.parent.parent / "config.yaml"
     if not config_path.is_file():
         raise ConfigError("--config", f"{config_path} does not exist", "pass the run's config.yaml with --config")
@@ -185,10 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, help="the sampling's seed (default: a fresh one each run)")
     parser.add_argument("--logits", type=Path, help="save the prompt's logits to this torch file")
     parser.add_argument("--config", type=Path, help="a checkpoint's run config.yaml (default: two folders up)")
+    parser.add_argument("--model-plugin", help="the model plugin building a Hugging Face folder (default: the installed "
+                        "one reading its model_type; model.name's values, e.g. one reading any model_type)")
     args = parser.parse_args(argv)
     try:
         check_arguments(args)
-        config = job_config(args.model, args.config)
+        config = job_config(args.model, args.config, args.model_plugin)
         tokenizer = load_tokenizer(config.tokenizer)
         ids = prompt_ids(args, tokenizer, config)
         config.training.seq_len = len(ids) + args.new_tokens  # the rows of the position tables

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from titan_core import folder_config
+from titan_core import folder_config, load_tokenizer
 from titan_core.testing import (CONFORMANCE, FLOAT8_LOSS_TOL, FLOAT8_PARAM_TOL, LOSS_TOL, PARAM_TOL, TINY, compare,
                                 config_error, model_conformance, run_job, write_hf_folder)
 
@@ -153,6 +153,19 @@ def test_a_trained_model_exports_to_a_folder_transformers_reads(folders, tmp_pat
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "hf-step-3",
                                                                      dtype=torch.float32)(tokens).logits
     assert (exported - trained).abs().max() <= TOLERANCE and (trained - start).abs().max() > 1e-3
+
+
+def test_generate_continues_a_folder_of_any_architecture_as_transformers_does(folders):
+    """Mistral, which no native plugin reads: the generate command builds it through the backend when asked to, and
+    continues the prompt greedily as transformers' own generate does."""
+    prompt = TOKENS[:4]
+    command = [sys.executable, "-m", "titan_checkpoint.generate", str(folders["mistral"]), "--model-plugin",
+               "transformers", "--token-ids", ",".join(map(str, prompt)), "--new-tokens", "6"]
+    printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["mistral"], dtype=torch.float32)
+    continued = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    tokenizer = load_tokenizer(folder_config(folders["mistral"], 32, model="transformers").tokenizer)
+    assert printed.rstrip("\n") == tokenizer.decode(continued[0, len(prompt):].tolist())
 
 
 @pytest.mark.slow
