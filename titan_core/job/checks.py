@@ -115,9 +115,10 @@ def check_attention_mask(mask: str, plan: Plan) -> None:
     if mask not in MASKS:
         raise ConfigError("training.attention_mask", f"unknown mask '{mask}'", f"use one of {', '.join(MASKS)}")
     if mask == "block_causal" and plan.model.attention != CORE_ATTENTION:
-        raise ConfigError("training.attention_mask", f"model '{plan.model.family}' attends through "
-                          f"'{plan.model.attention}', which cannot mask documents (block_causal needs "
-                          f"ModelDescription.attention = '{CORE_ATTENTION}')", "set training.attention_mask=causal")
+        seam = f"attends through '{plan.model.attention}'" if plan.model.attention else "describes no attention seam"
+        raise ConfigError("training.attention_mask", f"model '{plan.model.family}' {seam}, which cannot mask "
+                          f"documents (block_causal needs ModelDescription.attention = '{CORE_ATTENTION}')",
+                          "set training.attention_mask=causal")
 
 
 def check_optimizer(optimizer) -> None:

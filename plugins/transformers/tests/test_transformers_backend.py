@@ -197,6 +197,10 @@ def test_the_planner_prices_the_backend_as_the_native_model(folders):
      "'transformers:Qwen2ForCausalLM' cannot take a residual stream split by sequence"),
     ("mistral", ["+plugins=[cp]", "plugins.cp.degree=2"], "model 'transformers:MistralForCausalLM' does not "
      "describe attention, which context parallel"),  # a sliding window: transformers' masks, no ring
+    ("llama", ["training.attention_mask=block_causal"], "model 'transformers:LlamaForCausalLM' attends through "
+     "'sdpa_causal', which cannot mask documents"),  # transformers' layers never call the core's attention
+    ("gemma3", ["training.attention_mask=block_causal"], "model 'transformers:Gemma3ForCausalLM' describes no "
+     "attention seam, which cannot mask documents"),
 ])
 def test_what_the_backend_does_not_describe_is_refused_naming_the_architecture(folders, name, plan, refusal):
     assert refusal in str(config_error(*backend(folders[name]), *plan))
