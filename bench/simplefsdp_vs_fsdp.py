@@ -8,10 +8,11 @@ interpreter and torch themselves take most of it, so the CPU ratio understates t
 model state. Nothing here is a GPU figure.
 """
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
+
+from paired_runs import paired_arguments, paired_job
 
 from titan_core.testing import run_job
 
@@ -27,15 +28,8 @@ def measure(plugins: list[str], world: int, common: list[str], run_dir: Path) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--model", default="debug", help="a model config name (debug: dim 256, 6 layers)")
-    parser.add_argument("--compile", action="store_true", help="also compile every block, in both runs")
-    args = parser.parse_args()
-    common = [f"model={args.model}", f"training.steps={args.steps}", "training.seq_len=128",
-              "training.global_batch_size=8", "metrics.log_every=1", "metrics.tensorboard=false",
-              "metrics.peak_tflops=1"]
+    args = paired_arguments(__doc__.splitlines()[0], world=2)
+    common = paired_job(args, seq_len=128)
     extra = ["compile"] if args.compile else []
     with tempfile.TemporaryDirectory() as tmp:
         fsdp = measure(["fsdp", *extra], args.world, common, Path(tmp) / "fsdp")

@@ -37,6 +37,7 @@ from titan_core.data import find_chat_template, load_tokenizer, render_chat, spe
 from titan_core.data_parallel import replicate_only_over, replicated_over
 from titan_core.description import (CORE_ATTENTION, SDPA_CAUSAL, ExpertsLayout, ModelDescription, ParamInit,
                                     TensorParallelLayout, attribute, canonical_name, lacks, read_options, replace)
+from titan_core.feed_forward import GatedMLP
 from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, StorageError
 from titan_core.narrow_gathers import GatherCasts, cast_gathers, gather_casts, keep_precision
 from titan_core.peft import ADAPTER_FILES, PEFT_PREFIX, peft_updates, uncomputed_field
@@ -69,7 +70,7 @@ __all__ = [
     "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
     # the model
     "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "StoredLayout", "CORE_ATTENTION",
-    "SDPA_CAUSAL", "attribute", "replace", "read_options", "lacks", "canonical_name", "check_hf_config",
+    "SDPA_CAUSAL", "attribute", "replace", "read_options", "lacks", "canonical_name", "check_hf_config", "GatedMLP",
     # mixture-of-experts building blocks
     "rope_frequencies", "yarn_frequencies", "yarn_mscale", "MoE", "MoeOptions", "SwiGLU", "check_moe_options",
     "ExpertRouting", "init_routing_buffers",

@@ -8,9 +8,8 @@ float8 skips ``float8_skip``, expert parallel splits ``experts``, the core initi
 and computes MFU from ``flops_per_token``, the checkpoint plugin maps names through ``hf``. A field left at None
 means "this model does not support it": the plugin that needs it refuses before launch in one line naming it.
 
-Paths are dotted attribute paths (``transformer.h``): ``blocks``, ``inputs``, ``outputs``, ``position_buffers`` and
-the tensor-parallel root paths from the model's root, the tensor-parallel ``block_*`` paths from one block (as
-``block.named_modules()`` names them).
+Paths are dotted (``transformer.h``): the root fields' from the model's root, a layout's ``block_*`` paths and
+``gated_mlp``'s from one block (as ``block.named_modules()`` names them).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from titan_core.errors import ConfigError
+from titan_core.feed_forward import GatedMLP
 from titan_core.huggingface import HFAdapter
 
 # The attention seam context parallel understands: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
@@ -103,8 +103,7 @@ class ExpertsLayout:
 
     The module's parent (``layer``, ``mlp``) is the whole mixture-of-experts sub-layer: entered from the residual
     stream (its first argument, (batch, seq, hidden)), it routes, runs the experts and any shared expert, and
-    computes every token independently of the others. Tensor parallel relies on that: it gives each of its ranks a
-    share of the layer's tokens instead of a share of its weights.
+    computes each token apart from the others, so tensor parallel gives each rank a share of its tokens, not weights.
 
     ``linears`` (optional) names the module's parameters that are stacks of per-expert linear weights, (experts, out
     features, in features), expert ``e``'s applied as ``F.linear(x, weight[e])``, each read by the module's forward
@@ -137,12 +136,10 @@ class ModelDescription:
     Optional (None: the plugins that need it refuse the model before launch):
       ``blocks``: the root attribute holding the blocks as an ``nn.ModuleDict`` (FSDP units, checkpointing
       and compile units, pipeline split points).
-      ``inputs`` / ``outputs``: the root modules run before / after the blocks (embeddings; final norm and
-      output). A pipeline stage sets those it does not run to None, and the model's ``forward`` must then
-      skip them and take or return the residual stream instead.
-      ``tensor_parallel``: a :class:`TensorParallelLayout`.
-      ``attention``: the attention seam, :data:`SDPA_CAUSAL` when the blocks attend through causal SDPA,
-      :data:`CORE_ATTENTION` when they attend through the core's (which can also mask documents).
+      ``inputs`` / ``outputs``: the root modules run before / after the blocks (embeddings; final norm, output); a
+      pipeline stage sets those it does not run to None, and the model's ``forward`` then takes or returns the stream.
+      ``tensor_parallel``: a :class:`TensorParallelLayout`. ``attention``: the attention seam, :data:`SDPA_CAUSAL` when
+      the blocks attend through causal SDPA, :data:`CORE_ATTENTION` through the core's (which can also mask documents).
       ``position_buffers``: root buffers indexed by position along their first dimension (RoPE tables, position
       ids), which context parallel splits like the tokens so each shard sees its global positions; () for none.
       ``init_buffers(part)``: fills a model part's non-persistent buffers after ``to_empty``.
@@ -151,6 +148,7 @@ class ModelDescription:
       ``logits``: the root ``nn.Linear`` (no bias, one of ``outputs``) that maps the final hidden state to the
       vocabulary: a loss computing the logits itself (chunked cross entropy) swaps it for a pass-through of its weight.
       ``experts``: an :class:`ExpertsLayout` (mixture-of-experts models). ``hf``: an :class:`HFAdapter`.
+      ``gated_mlp``: a :class:`titan_core.feed_forward.GatedMLP`, the blocks' SwiGLU (what module overrides swap).
     """
 
     family: str
@@ -168,6 +166,7 @@ class ModelDescription:
     float8_skip: tuple[str, ...] = ()
     logits: str | None = None
     experts: ExpertsLayout | None = None
+    gated_mlp: GatedMLP | None = None
     hf: HFAdapter | None = None
 
     def blocks_of(self, part: nn.Module) -> nn.ModuleDict:

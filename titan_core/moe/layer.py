@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core.errors import ConfigError
+from titan_core.feed_forward import GatedMLP
 from titan_core.objective import add_loss
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -129,6 +130,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    @staticmethod
+    def described_at(module: str) -> GatedMLP:
+        """The :class:`GatedMLP` of blocks whose feed-forward at ``module`` is this SwiGLU."""
+        return GatedMLP(module, gate="gate_proj", up="up_proj", down="down_proj")
 class TopKRouter(nn.Module):
     def __init__(self, args: MoeOptions):
         super().__init__()

@@ -7,8 +7,8 @@ import math
 import re
 
 from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
-                        ParamInit, TensorParallelLayout, check_hf_config, check_moe_options, check_positive, hookimpl,
-                        init_routing_buffers, read_options)
+                        ParamInit, SwiGLU, TensorParallelLayout, check_hf_config, check_moe_options, check_positive,
+                        hookimpl, init_routing_buffers, read_options)
 from titan_deepseek_v3.model import DeepseekV3, DeepseekV3Args, rope_table
 
 FAMILY = "deepseek_v3"
@@ -176,6 +176,7 @@ def describe(args: DeepseekV3Args) -> ModelDescription:
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: init_buffers(part, args),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
+        gated_mlp=SwiGLU.described_at("mlp"),  # the dense blocks' (the first_k_dense_replace)
         experts=ExpertsLayout(module="mlp.experts", count=args.num_experts, linears=("gate_up_proj", "down_proj"),
                               routed=args.num_experts_per_tok),
         # transformers' DeepSeek-V3 routes by sigmoid scores, with the balancing bias it reads and never moves.

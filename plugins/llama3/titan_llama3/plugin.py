@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                        check_hf_config, check_positive, hookimpl, read_options)
+from titan_core import (CORE_ATTENTION, ConfigError, GatedMLP, HFAdapter, ModelDescription, ParamInit,
+                        TensorParallelLayout, check_hf_config, check_positive, hookimpl, read_options)
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 
 FAMILY = "llama3"
@@ -150,7 +150,7 @@ def describe(args: LlamaArgs) -> ModelDescription:
             divisible={"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads}),
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: part.rope.copy_(rope_frequencies(args)),
-        float8_skip=("output",), logits="output",
+        float8_skip=("output",), logits="output", gated_mlp=GatedMLP("feed_forward", gate="w1", up="w3", down="w2"),
         hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"output.weight": "tok_embeddings.weight"}),
     )

@@ -7,7 +7,8 @@ import math
 import re
 
 from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
-                        ParamInit, check_moe_options, check_positive, hookimpl, init_routing_buffers, read_options)
+                        ParamInit, SwiGLU, check_moe_options, check_positive, hookimpl, init_routing_buffers,
+                        read_options)
 from titan_qwen3.model import rope_table
 from titan_qwen3.moe import Qwen3Moe, Qwen3MoeArgs
 from titan_qwen3 import plugin as qwen3
@@ -101,6 +102,7 @@ def describe(args: Qwen3MoeArgs) -> ModelDescription:
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: init_buffers(part, args),
         float8_skip=("lm_head", "mlp.gate"), logits="lm_head" if untied else None,
+        gated_mlp=SwiGLU.described_at("mlp"),  # the dense blocks' (mlp_only_layers)
         experts=ExpertsLayout(module="mlp.experts", count=args.num_experts, linears=("gate_up_proj", "down_proj"),
                               routed=args.num_experts_per_tok),
         # DeepSeek-V3's routing options compute what transformers' Qwen3-MoE does not: no HF folder claims it.

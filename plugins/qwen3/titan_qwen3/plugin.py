@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import fields
 
-from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                        check_hf_config, check_positive, hookimpl, read_options)
+from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, SwiGLU,
+                        TensorParallelLayout, check_hf_config, check_positive, hookimpl, read_options)
 from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
 
 FAMILY = "qwen3"
@@ -107,6 +107,7 @@ def describe(args: Qwen3Args) -> ModelDescription:
         attention=CORE_ATTENTION, position_buffers=("rope",),
         init_buffers=lambda part: part.rope.copy_(rope_table(args)),
         float8_skip=("lm_head",), logits="lm_head" if untied else None,
+        gated_mlp=SwiGLU.described_at("mlp"),
         hf=HFAdapter(config=hf_config(args), to_hf=to_hf, from_hf=from_hf, options_from_hf=options_from_hf,
                      tied={"lm_head.weight": "embed_tokens.weight"} if untied else {}),
     )

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from titan_core import folder_config, load_tokenizer
+from titan_core import GatedMLP, folder_config, load_tokenizer, model_description
 from titan_core.testing import (CONFORMANCE, FLOAT8_LOSS_TOL, FLOAT8_PARAM_TOL, LOSS_TOL, PARAM_TOL, TINY, compare,
                                 config_error, model_conformance, run_job, write_hf_folder)
 
@@ -213,6 +213,14 @@ def test_a_soft_capped_model_refuses_pipeline_stages_and_a_tied_one_is_refused(f
         **{**SHAPE, "tie_word_embeddings": True})), tmp_path / "tied")
     error = config_error(*backend(tied))
     assert str(error).startswith("model.path: Qwen2ForCausalLM ties its output layer to its embeddings")
+
+
+def test_a_swiglu_is_described_where_the_layers_have_one(folders):
+    """What module overrides swap: not Gemma's GELU feed-forward, nor Phi-3's fused gate and up."""
+    described = {name: model_description(folder_config(folder, 32, model="transformers"), 2048).gated_mlp
+                 for name, folder in folders.items()}
+    assert {name for name, mlp in described.items() if mlp} == {"llama", "mistral", "qwen2", "olmo2"}
+    assert described["llama"] == GatedMLP("mlp", gate="gate_proj", up="up_proj", down="down_proj")
 
 
 def test_model_name_null_leaves_a_folder_to_its_family_plugin(folders):

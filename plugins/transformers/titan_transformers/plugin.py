@@ -21,8 +21,8 @@ import transformers
 from omegaconf import OmegaConf
 from torch import nn
 
-from titan_core import (SDPA_CAUSAL, ConfigError, HFAdapter, ModelDescription, ParamInit, TensorParallelLayout,
-                        canonical_name, hookimpl, read_options)
+from titan_core import (SDPA_CAUSAL, ConfigError, GatedMLP, HFAdapter, ModelDescription, ParamInit,
+                        TensorParallelLayout, canonical_name, hookimpl, read_options)
 from titan_transformers.model import CAUSAL, build, causal_lm_base, stage_modules
 
 FAMILY = "transformers"
@@ -152,7 +152,7 @@ def describe(model_config, vocab_size: int, seq_len: int) -> ModelDescription:
         init_buffers=init_buffers(buffers), attention=SDPA_CAUSAL if config._attn_implementation == CAUSAL else None,
         position_buffers=("positions",),
         tensor_parallel=tensor_parallel(model, config, inputs, outputs) if output else None,
-        float8_skip=(output,) if output else (), logits=None if capped else output,
+        float8_skip=(output,) if output else (), logits=None if capped else output, gated_mlp=gated_mlp(model, text),
         hf=HFAdapter(config=hf_options(OmegaConf.to_container(model_config.config))["config"], to_hf=lambda n: n,
                      from_hf=lambda n: n if n in names else None, options_from_hf=hf_options),
     )
@@ -190,6 +190,20 @@ def tensor_parallel(model: nn.Module, config: transformers.PretrainedConfig, inp
         embeddings=inputs, final_norms=tuple(path for path in outputs if path != "lm_head"), output="lm_head",
         divisible=heads,
         sequence_parallel=False)
+
+
+SWIGLU = ("gate_proj", "up_proj", "down_proj")  # transformers' names of a SwiGLU feed-forward's linears
+
+
+def gated_mlp(model: nn.Module, text: transformers.PretrainedConfig) -> GatedMLP | None:
+    """The layers' ``mlp`` where it is transformers' SwiGLU: a SiLU activation (``hidden_act``) and the three
+    bias-free linears as its only parameters (None for Gemma's GELU, Phi-3's fused gate and up, biased MLPs)."""
+    mlp = getattr(model.get_decoder().layers["0"], "mlp", None)
+    linears = [getattr(mlp, name, None) for name in SWIGLU]
+    plain = all(type(linear) is nn.Linear and linear.bias is None for linear in linears)
+    if getattr(text, "hidden_act", None) not in ("silu", "swish") or not plain or len(list(mlp.parameters())) != 3:
+        return None
+    return GatedMLP("mlp", *SWIGLU)
 
 
 def decoder_path(model: nn.Module) -> str:

@@ -1,0 +1,11 @@
+"""Module overrides' pricing: the model traced with its modules swapped, so that the planner measures what the
+swapped modules keep and run (the fused product's concatenated weight and its gate and up results)."""
+
+from titan_core import hookimpl
+from titan_overrides.plugin import activation, swap_swiglu
+
+
+@hookimpl
+def estimate_costs(estimate, plugin_config, plan):
+    """overrides: the trace runs the swapped modules."""
+    estimate.trace_conversions["overrides"] = lambda model: swap_swiglu(model, plan.model, activation("eager"))
