@@ -118,6 +118,7 @@ PLUGIN_BAD = {
     "plugins.lora.rank": "0", "plugins.lora.alpha": "0", "plugins.lora.dropout": "1.0", "plugins.lora.rslora": "1",
     "plugins.lora.targets": ("[attn]", "[]"), "plugins.lora.init_from": ("/nonexistent/adapter", "7"),
     "plugins.lora.export": "2", "plugins.lora.base_dtype": ("float16", "7"),
+    "plugins.overrides.modules": ("[fused_mlp]", "[]", "fused_swiglu"), "plugins.overrides.activation": ("triton", "7"),
     "plugins.muon.lr": "0", "plugins.muon.weight_decay": "-1", "plugins.muon.momentum": "1.0",
     "plugins.muon.nesterov": "1", "plugins.muon.adjust_lr": "moonlight", "plugins.muon.ns_steps": ("0", "2.5"),
     "plugins.muon.ns_coefficients": "[1,2]", "plugins.muon.ns_dtype": "float16", "plugins.muon.eps": "0",

@@ -59,6 +59,9 @@ def main(out: Path) -> None:
     found = {"flat 4": orthogonalised_on(init_device_mesh("cpu", (4,), mesh_dim_names=("a",)), newton_schulz),
              "2 x 2": orthogonalised_on(init_device_mesh("cpu", (2, 2), mesh_dim_names=("b", "c")), newton_schulz)}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))
+    # No rank leaves while another may still read its last exchange: a peer gone mid-read aborts the reader's gloo
+    # thread (seen once under a loaded machine: SIGABRT, "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
