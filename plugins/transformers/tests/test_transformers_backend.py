@@ -205,6 +205,10 @@ def test_the_planner_prices_the_backend_as_the_native_model(folders):
      "'transformers:Qwen2ForCausalLM' cannot take a residual stream split by sequence"),
     ("mistral", ["+plugins=[cp]", "plugins.cp.degree=2"], "model 'transformers:MistralForCausalLM' does not "
      "describe attention, which context parallel"),  # a sliding window: transformers' masks, no ring
+    ("gemma3", ["+plugins=[cp]", "plugins.cp.degree=2"], "model 'transformers:Gemma3ForCausalLM' does not "
+     "describe attention, which context parallel"),  # sliding layers
+    ("olmo2", ["+plugins=[tp]", "plugins.tp.degree=2"], "model 'transformers:Olmo2ForCausalLM' does not describe "
+     "tensor_parallel, which tensor parallel needs"),  # its attention's projections gathered whole
     ("llama", ["training.attention_mask=block_causal"], "model 'transformers:LlamaForCausalLM' attends through "
      "'sdpa_causal', which cannot mask documents"),  # transformers' layers never call the core's attention
     ("gemma3", ["training.attention_mask=block_causal"], "model 'transformers:Gemma3ForCausalLM' describes no "
