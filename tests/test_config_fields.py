@@ -1,6 +1,7 @@
 """Every numeric field of the core's config: one bad value each is refused with the one-line error naming the
 field, before anything starts; the defaults pass."""
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,10 @@ PLUGIN_BAD = {
     "plugins.lora.targets": ("[attn]", "[]"), "plugins.lora.init_from": ("/nonexistent/adapter", "7"),
     "plugins.lora.export": "2", "plugins.lora.base_dtype": ("float16", "7"),
     "plugins.overrides.modules": ("[fused_mlp]", "[]", "fused_swiglu"), "plugins.overrides.activation": ("triton", "7"),
+    "plugins.ft.lighthouse": ("localhost", "http://localhost:9", "7"), "plugins.ft.replica_group": ("2", "-1", "x"),
+    "plugins.ft.group_count": "0", "plugins.ft.min_replicas": ("0", "3"), "plugins.ft.mode": "async",
+    "plugins.ft.sync_every": ("0", "5"), "plugins.ft.outer_lr": ("0", "0.5"), "plugins.ft.outer_momentum": "1.0",
+    "plugins.ft.quorum_timeout_s": "0", "plugins.ft.timeout_s": "-5", "plugins.ft.connect_timeout_s": "inf",
     "plugins.muon.lr": "0", "plugins.muon.weight_decay": "-1", "plugins.muon.momentum": "1.0",
     "plugins.muon.nesterov": "1", "plugins.muon.adjust_lr": "moonlight", "plugins.muon.ns_steps": ("0", "2.5"),
     "plugins.muon.ns_coefficients": "[1,2]", "plugins.muon.ns_dtype": "float16", "plugins.muon.eps": "0",
@@ -128,8 +133,11 @@ PLUGIN_BAD = {
     "plugins.sft.chat_template": ("/nonexistent/template.jinja", "7"), "plugins.sft.packing": "1",
     "plugins.sft.holdout_every": ("1", "-3"), "plugins.sft.bad_rows": "ignore",
 }
+# Something answering where ft's lighthouse is said to be: its options are checked after the lighthouse answers.
+LISTENING = socket.create_server(("localhost", 0))
 PLUGIN_BASE = {"ep": ["model=qwen3_moe_tiny", "+plugins=[fsdp,ep]"], "simplefsdp": ["+plugins=[simplefsdp]"],
                "fsdp": ["+plugins=[fsdp]"],
+               "ft": ["+plugins=[fsdp,ft]", f"plugins.ft.lighthouse=http://localhost:{LISTENING.getsockname()[1]}"],
                "sft": ["+plugins=[fsdp,sft]", f"plugins.sft.path={SFT_DATA / 'chat.jsonl'}",
                        f"plugins.sft.chat_template={SFT_DATA / 'chatml.jinja'}", "training.attention_mask=block_causal",
                        "tokenizer.path=builtin", "training.seq_len=256"]}

@@ -12,9 +12,9 @@ Who is called, and how the answers combine:
 * Planning (``declare``, ``validate``): in the launching process, before any worker starts. What a plan costs
   is the planner's, beside this contract: its own hooks (``titan_core.planner.hookspecs``) are implemented in a
   plugin's pricing module, registered under ``titan_core.costs``, which training never loads.
-* Ordered hooks (``convert_modules``, ``apply_parallelism``, ``after_init``, ``wrap_loss``) and events: every
-  enabled plugin that implements the hook, one at a time in plan order (stage, then name; plugins without a
-  stage last), then the model plugin. pluggy's own order (last registered first) is not used, so that
+* Ordered hooks (``convert_modules``, ``apply_parallelism``, ``after_init``, ``wrap_loss``, ``wrap_optimizer``) and
+  events: every enabled plugin that implements the hook, one at a time in plan order (stage, then name; plugins
+  without a stage last), then the model plugin. pluggy's own order (last registered first) is not used, so that
   "PP, then TP, then CP, then AC, then compile, then FSDP" holds whatever the command-line order; pluggy's
   ``tryfirst``, ``trylast`` and wrappers are therefore refused before launch.
 * ``start_tracking``: every enabled plugin implementing it, in plan order, on rank 0 only.
@@ -256,7 +256,8 @@ def build_dataloader(config: DictConfig, tokenizer: Tokenizer, dp_rank: int, dp_
     (``data.prefetch``) and saves its position as of the batches taken.
 
     :param tokenizer: The run's tokenizer (:class:`titan_core.Tokenizer`).
-    :param dp_rank: This rank's index among the ``dp_size`` data-parallel ranks.
+    :param dp_rank: This rank's index among the ``dp_size`` data-parallel ranks (of every replica group:
+        ``Plan.data_shards``).
     :returns: :class:`titan_core.Batches`: ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows
         of ``seq_len`` tokens), ``state_dict()`` a snapshot taken after each batch, and optionally ``metrics()``.
     """
@@ -305,6 +306,21 @@ def after_backward(model_parts: list[nn.Module], mesh: ParallelMesh, step: int, 
     Runs once per step on every rank, in plan order, before the gradient norm and clipping: where a plugin
     that defines a data-parallel dimension averages the gradients over it (under a pipeline too: every
     stage's backward has run), or inspects or changes gradients.
+    """
+
+
+@hookspec
+def wrap_optimizer(optimizer: torch.optim.Optimizer, state: TrainState, mesh: ParallelMesh, config: DictConfig,
+                   plugin_config: DictConfig, plan: Plan) -> torch.optim.Optimizer | None:
+    """Transform: what each training step calls as its optimizer, ``zero_grad()`` as the step starts and
+    ``step()`` after the gradients are averaged and clipped.
+
+    Runs once per rank, after the state is built and any checkpoint loaded, before the first step, in plan order,
+    each plugin given what the one before returned. A wrapper steps the optimizer it wraps or skips the whole
+    update (fault tolerance: only the steps every replica group commits); the learning-rate schedule, checkpoints
+    and ``after_optimizer_step`` keep ``state.optimizer``. A plugin may keep ``state`` to restore it in place.
+
+    :returns: The object to call instead, or None to leave it.
     """
 
 

@@ -63,7 +63,10 @@ class Declaration:
     ``optimizer_options``: of a plugin building the optimizer, the ``optimizer.*`` options it honours. ``acts_only``:
     its options that act only beside another setting, ``{option: (condition, acts)}``: ``acts(plugin_config,
     config)`` tells whether the option acts, ``condition`` says when as a user sets it (``plugins.ac.mode=full``);
-    set away from its default where it would do nothing, the option is refused before launch.
+    set away from its default where it would do nothing, the option is refused before launch. ``replica_group``:
+    ``(index, count)`` when this job is one of ``count`` jobs (replica groups) training one model on different rows,
+    a plugin averaging their gradients across jobs (fault tolerance): the data splits over ``count`` x the job's
+    data-parallel ranks, and this job reads the ``index``-th share.
     """
 
     stage: int | None = None
@@ -74,6 +77,7 @@ class Declaration:
     options: Mapping[str, str] = field(default_factory=dict)
     optimizer_options: frozenset[str] = frozenset()
     acts_only: Mapping[str, tuple[str, Callable[[Any, Any], bool]]] = field(default_factory=dict)
+    replica_group: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Plan:
     model: ModelDescription
     borrowing: Mapping[str, int] = field(default_factory=dict)  # dimensions that reuse ranks: their degrees
     dimensions: Mapping[str, MeshDimension] = field(default_factory=dict)  # every sized dimension's definition
+    replica_group: tuple[int, int] = (0, 1)  # this job's index among the jobs training the model, and their count
 
     def provides(self, capability: str) -> bool:
         """Whether some enabled plugin provides ``capability``."""
@@ -126,6 +131,11 @@ class Plan:
         return math.prod(self.mesh_shape[d] for d in self.data_parallel_dims)
 
     @property
+    def data_shards(self) -> int:
+        """The shares a global batch's rows are split into: every replica group's data-parallel ranks."""
+        return self.dp_size * self.replica_group[1]
+
+    @property
     def token_shards(self) -> int:
         """The parts a global batch's tokens are split into (data-parallel ranks x sequence splits)."""
         return self.dp_size * math.prod(n for d, n in self.mesh_shape.items() if self.definition(d).splits_sequence)
@@ -144,6 +154,8 @@ class Plan:
         shape = " x ".join(f"{d} {n}" for d, n in self.mesh_shape.items()) or "single process"
         shape += "".join(f"; {dim} {degree} within {' x '.join(dims)}"
                          for dim, (degree, dims) in self.borrowed().items())
+        group, groups = self.replica_group
+        shape += f"; replica group {group} of {groups}" if groups > 1 else ""
         lines = [f"titan-core plan: world {self.world_size} = {shape}; model {self.model.family}"]
         for p in self.plugins:
             d = p.declaration
@@ -166,8 +178,11 @@ def make_plan(planned: list[PlannedPlugin], model: ModelDescription, world_size:
     _check_capabilities(planned)
     dimensions = _dimensions(planned)
     mesh_shape, borrowing = _mesh_shape(planned, dimensions, world_size, configured_world, local_gpus)
+    groups = [p.declaration.replica_group for p in planned if p.declaration.replica_group is not None]
+    if len(groups) > 1:
+        raise ConfigError("plugins", "two plugins place this job in replica groups", "enable only one of them")
     return Plan(tuple(planned), mesh_shape, math.prod(mesh_shape.values()), model, borrowing,
-                {dim: dimensions[dim] for dim in (*mesh_shape, *borrowing)})
+                {dim: dimensions[dim] for dim in (*mesh_shape, *borrowing)}, *groups)
 
 
 def _check_capabilities(planned: list[PlannedPlugin]) -> None:

@@ -1,4 +1,4 @@
-"""Find the installed plugins, make the run's plugin objects, and call their hooks the core's way.
+"""The run's plugin objects (:mod:`titan_core.discovery` finds them installed), their hooks called the core's way.
 
 pluggy finds and checks the implementations; the core decides who is called and in what order. Each plugin is
 called on its own, with its own options (``plugin_config``), through pluggy's hook callers (``subset_hook_caller``),
@@ -9,10 +9,8 @@ them is refused before launch, never silently ignored.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 
 import pluggy
@@ -21,45 +19,18 @@ import torch
 import titan_core.default_hooks as default_hooks
 import titan_core.hookspecs as hookspecs
 from titan_core.description import ModelDescription
+from titan_core.discovery import (distribution_name, entry_points_by_name, installed_models, installed_plugins,
+                                  model_name, plugin_object)
 from titan_core.errors import ConfigError
 from titan_core.mesh import device_kind
 from titan_core.plan import Declaration, Plan, PlannedPlugin, make_plan
 from titan_core.train_state import Stateful
 
-PLUGIN_GROUP = "titan_core.plugins"
-MODEL_GROUP = "titan_core.models"
 CORE = "titan_core"  # the name the core's own default hooks are registered under
 # Every plugin option file carries this key, so that nodes made by `++plugins.x.y=...` are told apart.
 PLUGIN_MARKER = "_plugin_"
 # pluggy's options that order or wrap the implementations of one call: each call here has one implementation.
 UNHONOURED = ("wrapper", "hookwrapper", "tryfirst", "trylast")
-
-
-def installed_plugins() -> dict[str, EntryPoint]:
-    """Entry points of ``titan_core.plugins`` by name; two distributions using one name is an error (pluggy's own
-    loader would silently keep the first of two, so the core checks this itself)."""
-    return _entry_points(PLUGIN_GROUP, "plugins")
-
-
-def installed_models() -> dict[str, EntryPoint]:
-    """Entry points of ``titan_core.models`` by name (the ``model.name`` that selects each)."""
-    return _entry_points(MODEL_GROUP, "model")
-
-
-def _entry_points(group: str, field_prefix: str) -> dict[str, EntryPoint]:
-    found: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=group):
-        other = found.get(ep.name)
-        if other is not None and other.value != ep.value:
-            raise ConfigError(f"{field_prefix}.{ep.name}", f"two installed distributions register '{ep.name}' in "
-                              f"{group} ({distribution_name(other)}: {other.value}; {distribution_name(ep)}: "
-                              f"{ep.value})", "uninstall one of them (pip uninstall ...)")
-        found[ep.name] = ep
-    return found
-
-
-def distribution_name(ep: EntryPoint) -> str:
-    return ep.dist.name if ep.dist is not None else "unknown distribution"
 
 
 def enabled_plugin_names(config) -> list[str]:
@@ -71,31 +42,6 @@ def enabled_plugin_names(config) -> list[str]:
                               f"enable it with +plugins=[{name}] (or remove the override)")
         names.append(name)
     return names
-
-
-def model_name(config) -> str:
-    """The model plugin ``config.model.name`` selects, checked to be installed."""
-    name = (config.get("model") or {}).get("name")
-    installed = installed_models()
-    if name not in installed:
-        known = ", ".join(sorted(installed)) or "none"
-        raise ConfigError("model.name", f"no installed model plugin is named '{name}' (installed: {known})",
-                          "pick a model preset with model=<preset>, or install the model's distribution")
-    return name
-
-
-def plugin_object(entry_point: EntryPoint) -> object:
-    """The object registered for one run: the module or instance the entry point names, or what the class or
-    factory it names makes, called with no arguments (a fresh object per run, so no state leaks into the
-    next job of a sweep run in the same process)."""
-    try:
-        loaded = entry_point.load()
-        return loaded() if inspect.isclass(loaded) or inspect.isfunction(loaded) else loaded
-    except Exception as error:  # a plugin's own bug, whatever it is: one line naming the plugin
-        field = f"{'model' if entry_point.group == MODEL_GROUP else 'plugins'}.{entry_point.name}"
-        raise ConfigError(field, f"plugin '{entry_point.name}' ({entry_point.value}) fails to load: "
-                          f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-                          f"fix or reinstall {distribution_name(entry_point)}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,9 +85,9 @@ class Registry:
             return
         self.rooms.append(room)
         self.pm.add_hookspecs(room.hookspecs)
-        installed = _entry_points(room.group, "plugins")
+        found = entry_points_by_name(room.group, "plugins")
         for name, plugin in self.objects.items():
-            parts = ([plugin_object(installed[name])] if name in installed and name != CORE else []) + room.extra(plugin)
+            parts = ([plugin_object(found[name])] if name in found and name != CORE else []) + room.extra(plugin)
             for index, part in enumerate(parts):
                 self._register(part, f"{name}:{room.group}:{index}", name)
         self._check()

@@ -90,6 +90,7 @@ class TrainingStep:
                  device: torch.device, bos_id: int):
         self.hooks, self.mesh, self.config, self.model_parts = hooks, mesh, config, model_parts
         self.schedule, self.optimizer, self.lr_scheduler, self.loss_fn = schedule, optimizer, lr_scheduler, loss_fn
+        self.stepper = optimizer  # what zero_grad and step are called on: plugins' wrap_optimizer may wrap it
         # Backward weighs each forward of a step by the schedule's loss_weight: 1 / forwards.
         self.forwards = 1 / getattr(schedule, "loss_weight", 1 / config.training.grad_accum_steps)
         self.device, self.bos_id = device, bos_id
@@ -102,14 +103,14 @@ class TrainingStep:
     def __call__(self, step: int, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
         """Train on one local batch; returns this rank's mean loss (None without the loss), the gradient
         norm, both on the device, and the learning rate the optimizer used."""
-        self.optimizer.zero_grad()
+        self.stepper.zero_grad()
         inputs = inputs.to(self.device, non_blocking=True)  # pinned by the prefetcher on CUDA
         labels = labels.to(self.device, non_blocking=True)
         self.loss_fn.set_for([labels], self.forwards)
         loss = local_mean(self.each_micro_batch(self.schedule.run, inputs, labels))
         self.hooks.each("after_backward", model_parts=self.model_parts, mesh=self.mesh, step=step, config=self.config)
         grad_norm = clip_grad_norm_(self.model_parts, self.config.training.max_norm, self.mesh)
-        self.optimizer.step()
+        self.stepper.step()
         first = self.optimizer.param_groups[0]  # what this step used, whoever set it, less a group's multiplier
         lr = first["lr"] / first.get("lr_multiplier", 1.0)
         self.lr_scheduler.step()
@@ -170,12 +171,16 @@ class Trainer:
                  rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
         self.step = build_training_step(hooks, mesh, config, model_parts, device, tokenizer.bos_id)
         dp_rank = mesh.local_rank(*plan.data_parallel_dims)
-        loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
-                             dp_size=plan.dp_size)
+        group, _ = plan.replica_group  # every replica group validates on all the validation rows
+        loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer,
+                             dp_rank=group * plan.dp_size + dp_rank, dp_size=plan.data_shards)
         dataloader = Prefetcher(loader, config.data.prefetch, pin=device.type == "cuda")
         self.state = TrainState(model_parts, self.step.optimizer, self.step.lr_scheduler, dataloader,
                                 plugins=hooks.registry.stateful())
         self.state.step = hooks.first("load_checkpoint", state=self.state, config=config, run_dir=run_dir) or 0
+        for name in hooks.order:
+            self.step.stepper = hooks.call(name, "wrap_optimizer", optimizer=self.step.stepper, state=self.state,
+                                           mesh=mesh, config=config) or self.step.stepper
         self.validation = hooks.first("build_validation_batches", config=config, tokenizer=tokenizer, dp_rank=dp_rank,
                                       dp_size=plan.dp_size) if config.validation.every else []
         if self.validation and not callable(getattr(self.step.schedule, "evaluate", None)):

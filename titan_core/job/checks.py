@@ -84,10 +84,10 @@ def check_job(config, plan: Plan) -> None:
         if not isinstance(training[field], int) or training[field] < 1:
             raise ConfigError(f"training.{field}", f"{training[field]!r} is not a positive integer",
                               "set a positive integer")
-    split = plan.dp_size * training.grad_accum_steps
+    split = plan.data_shards * training.grad_accum_steps
     if training.global_batch_size % split:
         raise ConfigError("training.global_batch_size",
-                          f"{training.global_batch_size} sequences do not split over {plan.dp_size} data-parallel "
+                          f"{training.global_batch_size} sequences do not split over {plan.data_shards} data-parallel "
                           f"rank(s) x {training.grad_accum_steps} micro-batch(es)",
                           f"use a multiple of {split}")
     check_optimizer(config.optimizer)

@@ -19,7 +19,7 @@ from titan_core.job.run_dir import default_run_dir
 from titan_core.job.schema import (CONF_GROUP, CORE_SECTIONS, check_config_kinds, check_key, default_preset,
                                    option_files)
 from titan_core.job.searchpath import PluginConfigSearchPath
-from titan_core.plugins import installed_plugins
+from titan_core.discovery import installed_plugins
 
 # Hydra's flags that take a value, which may follow as the next argument (``--cfg job``).
 VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",

@@ -28,7 +28,8 @@ import titan_core.hookspecs as hookspecs
 from titan_core.capabilities import CHECKPOINTING
 from titan_core.errors import ConfigError
 from titan_core.job.schema import core_defaults
-from titan_core.plugins import Registry, installed_models, model_name, plugin_object
+from titan_core.discovery import installed_models, model_name, plugin_object
+from titan_core.plugins import Registry
 
 FIELD = "model.path"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # organisation/name, as a hub names a model

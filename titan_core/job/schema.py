@@ -20,7 +20,7 @@ from importlib.resources.abc import Traversable
 from omegaconf import OmegaConf
 
 from titan_core.errors import ConfigError
-from titan_core.plugins import distribution_name
+from titan_core.discovery import distribution_name
 
 CONF_GROUP = "titan_core.conf"
 CORE_CONF = "titan_core.conf"

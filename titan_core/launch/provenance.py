@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from titan_core.plan import Plan
-from titan_core.plugins import installed_models
+from titan_core.discovery import installed_models
 
 
 def distributions(plan: Plan, model_name: str) -> list[str]:

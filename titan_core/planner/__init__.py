@@ -12,8 +12,8 @@ plugin's pricing, runs the hooks and prints the sum; ``hardware.py`` adds to eac
 ``python -m titan_core.planner``.
 """
 
-from titan_core.planner.estimate import Estimate, evaluated
+from titan_core.planner.estimate import ACROSS_JOBS, Estimate, evaluated
 from titan_core.planner.hardware import Hardware
 from titan_core.planner.hookspecs import COSTS_GROUP
 
-__all__ = ["Estimate", "Hardware", "evaluated", "COSTS_GROUP"]
+__all__ = ["ACROSS_JOBS", "Estimate", "Hardware", "evaluated", "COSTS_GROUP"]

@@ -29,6 +29,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 # When a memory term is held.
 MOMENTS = (None, "held", "start", "blocks", "end", "accumulated", "regathered", "unreleased", "cached")
 HOLDINGS = ("blocks", "holds_inputs", "holds_outputs")  # the fields an entry of Estimate.ranks may set
+# The dimension a collective between replica groups (Plan.replica_group: jobs of their own) spans, outside the mesh.
+ACROSS_JOBS = "replica groups"
 
 
 @dataclass(frozen=True)
@@ -634,7 +636,10 @@ class Estimate:
         return per_token * tokens / self.plan.world_size
 
     def link_gbps(self, dims: tuple[str, ...]) -> float:
-        """The bandwidth of a group over ``dims``: NVLink-class when its ranks fit in one node."""
+        """The bandwidth of a group over ``dims``: NVLink-class when its ranks fit in one node; the network between
+        nodes over :data:`ACROSS_JOBS` (replica groups are jobs of their own, whose ranks never share a node's links)."""
+        if ACROSS_JOBS in dims:
+            return self.hardware.inter_node_gbps
         order = list(self.plan.mesh_shape)  # outermost first
         outermost = min((order.index(d) for d in dims if d in order), default=len(order))
         span = math.prod(self.plan.mesh_shape.get(d, 1) for d in order[outermost:])

@@ -1,0 +1,210 @@
+"""ft: replica groups on torchft. Two groups of fsdp 2 train as one process on the same global batch; a group
+killed mid-run leaves the other training (no restart, no checkpoint), and started again it takes the live state from
+its peer and ends with the very same weights and data position; a hung group is dropped; LocalSGD and DiLoCo keep the
+groups' weights together at each synchronization; the lighthouse unreachable is one line before launch."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import titan_ft  # noqa: F401  (quiets torchft's Rust logs, before torchft is imported)
+import torch
+from torchft._torchft import LighthouseServer
+
+from titan_core.testing import (LOSS_TOL, PARAM_TOL, TINY, JobResult, config_error, error_line, install_plugins,
+                                merged, run_job)
+
+# Each step sleeps, so that a fault lands mid-run on any machine; the data position is written at the end.
+PACED = """
+import json
+import time
+
+from titan_core import hookimpl
+
+
+@hookimpl
+def on_step_end(plugin_config):
+    time.sleep(plugin_config.seconds)
+
+
+@hookimpl
+def on_train_end(state, run_dir):
+    position = {key: value.tolist() if hasattr(value, "tolist") else value
+                for key, value in state.dataloader.state_dict().items()}
+    (run_dir / "data_position.json").write_text(json.dumps(position))
+"""
+
+
+@pytest.fixture
+def lighthouse():
+    """Start torchft's lighthouse in this process: ``lighthouse(min_replicas)`` gives its address."""
+    servers = []
+
+    def start(min_replicas: int) -> str:
+        servers.append(LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+                                        heartbeat_timeout_ms=3000))
+        return servers[-1].address()
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+@pytest.fixture
+def paced(tmp_path):
+    return install_plugins(tmp_path / "site", {"paced": (PACED, "seconds: 0.3\n")}, distribution="paced-plugin")
+
+
+class Group:
+    """One replica group's job, started in its own session so that a test can kill or stop all of its processes."""
+
+    def __init__(self, overrides, run_dir: Path, env: dict | None = None):
+        self.result = JobResult(run_dir, -1, "", "")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.output = (run_dir.parent / f"{run_dir.name}.out").open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "titan_core.run", *merged(overrides), f"hydra.run.dir={run_dir}"],
+            stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
+
+    def steps(self) -> list[int]:
+        try:
+            return [m["step"] for m in self.result.metrics]
+        except (json.JSONDecodeError, FileNotFoundError):  # a line being written
+            return []
+
+    def wait_for(self, condition, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.process.poll() is None or condition(), f"{self.result.run_dir.name} exited: {self.log()}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.log()}"
+            time.sleep(0.2)
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.killpg(self.process.pid, sig)
+
+    def finish(self, timeout: float = 180) -> JobResult:
+        returncode = self.process.wait(timeout)
+        self.output.close()
+        assert returncode == 0, f"{self.result.run_dir.name} exited {returncode}: {self.log()}"
+        return self.result
+
+    def log(self) -> str:
+        return (self.result.run_dir.parent / f"{self.result.run_dir.name}.out").read_text()[-3000:]
+
+
+def groups_of(address: str, plugins: str, *extra: str) -> list[str]:
+    return [*TINY, f"+plugins=[{plugins}]", f"plugins.ft.lighthouse={address}", "plugins.ft.timeout_s=5", *extra]
+
+
+def test_two_groups_of_fsdp_2_train_as_one_process(lighthouse, titan_reference, tmp_path):
+    """No fault: groups 0 and 1, each fsdp 2 on its half of every global batch, end with the one-process weights;
+    the mean of their losses (each its own rows' mean, the rows alike in tokens) is the one process's loss."""
+    address = lighthouse(2)
+    jobs = [Group(groups_of(address, "ft,fsdp", "plugins.fsdp.degree=2", f"plugins.ft.replica_group={index}"),
+                  tmp_path / f"group{index}") for index in (0, 1)]
+    first, second = (job.finish() for job in jobs)
+    reference = titan_reference()
+    assert [m["ft_groups"] for m in first.metrics] == [2.0] * 5
+    for name, tensor in reference.final_weights().items():
+        assert (first.final_weights()[name] - tensor).abs().max() <= PARAM_TOL, name
+        assert torch.equal(first.final_weights()[name], second.final_weights()[name]), name
+    means = [(a + b) / 2 for a, b in zip(first.losses, second.losses)]
+    assert max(abs(m - r) for m, r in zip(means, reference.losses)) <= LOSS_TOL
+    assert min(abs(a - b) for a, b in zip(first.losses, second.losses)) > 1e-3  # each group read its own rows
+
+
+def paced_groups(address: str, env: dict, folder: Path) -> tuple[list[str], Group, Group]:
+    """Groups 0 and 1 of 30 paced steps, given back once group 1 has logged its step 5."""
+    overrides = groups_of(address, "ft,paced", "training.steps=30")
+    first, second = (Group([*overrides, f"plugins.ft.replica_group={index}"], folder / f"group{index}", env)
+                     for index in (0, 1))
+    second.wait_for(lambda: len(second.steps()) >= 5, "group 1's step 5")
+    return overrides, first, second
+
+
+def assert_together(survivor: JobResult, recovered: JobResult) -> None:
+    """The surviving group logged every step once (it never restarted); both end with equal weights and data
+    positions."""
+    assert [m["step"] for m in survivor.metrics] == list(range(1, 31))
+    for name, tensor in survivor.final_weights().items():
+        assert torch.equal(tensor, recovered.final_weights()[name]), name
+    positions = [json.loads((run / "data_position.json").read_text()) for run in (survivor.run_dir, recovered.run_dir)]
+    assert positions[0] == positions[1]
+
+
+@pytest.mark.slow
+def test_a_killed_group_leaves_the_other_training_and_recovers_from_it(lighthouse, paced, tmp_path):
+    """SIGKILL group 1 at step 5: group 0 trains on alone; group 1 started again (no checkpoint plugin: nothing to
+    resume from) joins at the step group 0 is at and takes its weights, optimizer, schedule and data position."""
+    overrides, first, second = paced_groups(lighthouse(1), paced, tmp_path)
+    second.signal(signal.SIGKILL)
+    first.wait_for(lambda: any(m["ft_groups"] == 1.0 for m in first.result.metrics[5:]), "group 0 alone")
+    again = Group([*overrides, "plugins.ft.replica_group=1"], tmp_path / "group1_again", paced)
+    first, again = first.finish(), again.finish()
+    assert again.metrics[0]["step"] > 6, again.metrics[0]
+    groups = [m["ft_groups"] for m in first.metrics]
+    assert 1.0 in groups and groups[-1] == 2.0, groups
+    assert_together(first, again)
+
+
+@pytest.mark.slow
+def test_a_hung_group_is_dropped_and_rejoins_when_it_wakes(lighthouse, paced, tmp_path):
+    """SIGSTOP group 1 at step 5: group 0 drops it (the lighthouse's heartbeat timeout, then the collective's) and
+    trains on; woken with SIGCONT, group 1 finds its step left behind, takes group 0's state and both end equal."""
+    _, first, second = paced_groups(lighthouse(1), paced, tmp_path)
+    second.signal(signal.SIGSTOP)
+    first.wait_for(lambda: sum(m["ft_groups"] == 1.0 for m in first.result.metrics[5:]) >= 3, "group 0 alone")
+    second.signal(signal.SIGCONT)
+    first, second = first.finish(), second.finish()
+    assert second.metrics[-1]["step"] == 30 and len(second.metrics) < 30  # it skipped the steps it slept through
+    assert_together(first, second)
+
+
+def test_local_sgd_and_diloco_bring_the_groups_together_at_each_synchronization(lighthouse, tmp_path):
+    """sync_every=2 over 6 steps: 3 synchronizations committed, the groups' weights equal after the last, and each
+    mode's weights its own (LocalSGD averages the weights, DiLoCo steps an outer optimizer on their change)."""
+    address, ends = lighthouse(2), {}
+    for mode in ("local_sgd", "diloco"):
+        jobs = [Group(groups_of(address, "ft", "training.steps=6", f"plugins.ft.mode={mode}", "plugins.ft.sync_every=2",
+                                f"plugins.ft.replica_group={index}"), tmp_path / f"{mode}{index}") for index in (0, 1)]
+        first, second = (job.finish() for job in jobs)
+        assert [m["ft_commits"] for m in first.metrics][1::2] == [1.0, 2.0, 3.0]
+        ends[mode] = first.final_weights()
+        for name, tensor in ends[mode].items():
+            assert torch.equal(tensor, second.final_weights()[name]), name
+    name = "layers.0.attention.wq.weight"
+    assert (ends["local_sgd"][name] - ends["diloco"][name]).abs().max() > 1e-4
+
+
+def test_the_lighthouse_unreachable_is_one_line_before_launch(tmp_path):
+    """Exit 2 and one line naming the option, before any worker starts (no rank log written)."""
+    result = run_job([*TINY, "+plugins=[ft]", "plugins.ft.lighthouse=http://localhost:9"], tmp_path / "run",
+                     expect_success=False)
+    line = error_line(result)
+    assert line.startswith("titan-core: error: plugins.ft.lighthouse: nothing answers at http://localhost:9"), line
+    assert not (tmp_path / "run" / "logs").exists()
+    assert "is not http://<host>:<port>" in str(config_error(*TINY, "+plugins=[ft]", "plugins.ft.lighthouse=localhost"))
+
+
+def test_the_planner_prices_the_all_reduce_between_groups_on_the_network(tmp_path):
+    """8B under fsdp 8 in each of 4 groups: each rank sends 2 x 3/4 of its float32 gradient shard (3.74 GiB) per step,
+    at the H100 profile's network bandwidth (not NVLink's, though the group fits in a node), and the plan says which
+    group it is."""
+    answering = socket.create_server(("localhost", 0))
+    planned = subprocess.run([sys.executable, "-m", "titan_core.planner", "--hardware", "h100", "model=8B",
+                              "training.seq_len=2048", "training.global_batch_size=64", "launch.world_size=8",
+                              "+plugins=[ft,fsdp]", "plugins.fsdp.degree=8", "plugins.ft.group_count=4",
+                              f"plugins.ft.lighthouse=http://localhost:{answering.getsockname()[1]}"],
+                             capture_output=True, text=True, timeout=300)
+    answering.close()
+    assert planned.returncode == 0, planned.stderr
+    assert "replica group 0 of 4" in planned.stdout
+    assert ("collective ft: gradients averaged across 4 replica groups over replica groups: 5.61 GiB per step at "
+            "50 GB/s") in planned.stdout, planned.stdout
+    assert "ft: gradient bucket 64.00 MiB" in planned.stdout
