@@ -14,6 +14,7 @@ weights (LocalSGD) or step an outer Nesterov optimizer on the averaged differenc
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import socket
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # after titan_ft/__init__ quieted its logs
+from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.local_sgd import DiLoCo, LocalSGD
 
 from titan_core import ConfigError, Declaration, TrainState, hookimpl, library_logs_at_debug
@@ -35,6 +37,7 @@ from titan_core import ConfigError, Declaration, TrainState, hookimpl, library_l
 # copied into the training state at once.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
+log = logging.getLogger("titan_core")
 FIELD = "plugins.ft"
 MODES = ("sync", "local_sgd", "diloco")
 # The manager's own records (a line per quorum, per commit, "Unable to reset NCCL flight recorder" on CPU).
@@ -134,6 +137,15 @@ def average_across_groups(manager: Manager, tensors: list[torch.Tensor]) -> None
             offset += tensor.numel()
 
 
+def quiet_http_transport(timeout: timedelta) -> HTTPTransport:
+    """torchft's HTTP checkpoint transport (its default), with the line its server prints on stderr for every request
+    sent to the debug log instead."""
+    transport: HTTPTransport = HTTPTransport(timeout=timeout, num_chunks=0)
+    transport._server.RequestHandlerClass.log_message = (  # the handler class torchft made for this server
+        lambda handler, form, *args: log.debug("torchft checkpoint server: " + form, *args))
+    return transport
+
+
 class CommittedSteps:
     """The optimizer as the training step calls it: a quorum as each step starts, the update only when every group
     commits (the weights are not read for a peer while they change)."""
@@ -176,6 +188,10 @@ class FaultTolerance:
         self.state: TrainState | None = None
         self.steps: CommittedSteps | None = None
         self.restored: dict[str, int] | None = None  # the manager's counters from a checkpoint, until it exists
+        # Each part's state_dict taken once, before training: a peer's request is served on torchft's threads while
+        # this rank runs forward, when FSDP's state_dict hook would swap the parameters under it. The tensors are the
+        # parameters themselves (FSDP keeps its sharded DTensors' identity), so they are always the current ones.
+        self.weights: list[dict[str, torch.Tensor]] = []
         self.store: dist.TCPStore | None = None  # rank 0's: the group's manager meets there
         self.exits = contextlib.ExitStack()
 
@@ -204,6 +220,7 @@ class FaultTolerance:
         """ft: this group's manager joins the lighthouse; sync steps commit through it, local_sgd and diloco
         synchronize from the optimizer's step."""
         self.state, mode = state, plugin_config.mode
+        self.weights = [dict(part.state_dict()) for part in state.model_parts]
         self.exits.enter_context(library_logs_at_debug(*TORCHFT_LOGGERS))
         seconds = lambda name: timedelta(seconds=float(plugin_config[name]))  # noqa: E731
         self.store, host, port = group_store()
@@ -214,7 +231,8 @@ class FaultTolerance:
             timeout=seconds("timeout_s"), quorum_timeout=seconds("quorum_timeout_s"),
             connect_timeout=seconds("connect_timeout_s"), rank=dist.get_rank(), world_size=dist.get_world_size(),
             store_addr=host, store_port=port, lighthouse_addr=lighthouse_address(plugin_config),
-            replica_id=f"titan_group_{plugin_config.replica_group}", init_sync=False)
+            replica_id=f"titan_group_{plugin_config.replica_group}", init_sync=False,
+            checkpoint_transport=quiet_http_transport(seconds("timeout_s")))
         if self.restored is not None:
             self.manager.load_state_dict(self.restored)
         if mode == "sync":
@@ -263,7 +281,7 @@ class FaultTolerance:
     def peer_state(self) -> dict[str, Any]:
         """What a recovering group's same rank loads: this rank's shards of the whole training state."""
         state = self.state
-        return {"model": [localized(part.state_dict()) for part in state.model_parts],
+        return {"model": [localized(weights) for weights in self.weights],
                 "optimizer": localized(state.optimizer.state_dict()),
                 "lr_scheduler": state.lr_scheduler.state_dict(), "dataloader": state.dataloader.state_dict(),
                 "plugins": {name: localized(plugin.state_dict()) for name, plugin in state.plugins.items()},
@@ -272,9 +290,9 @@ class FaultTolerance:
     def load_peer_state(self, received: dict[str, Any]) -> None:
         """A peer's state in place (torchft calls it as this group's first step commits)."""
         state = self.state
-        for part, weights in zip(state.model_parts, received["model"]):
-            for name, tensor in part.state_dict().items():
-                local(tensor).copy_(weights[name])
+        for weights, peers in zip(self.weights, received["model"]):
+            for name, tensor in weights.items():
+                local(tensor).copy_(peers[name])
         params = [p for group in state.optimizer.param_groups for p in group["params"]]
         optimizer = received["optimizer"]
         optimizer["state"] = {index: {key: like(params[index], value) if getattr(value, "shape", None) == local(params[index]).shape
