@@ -127,11 +127,12 @@ def groups_of(address: str, plugins: str, *extra: str) -> list[str]:
     return [*TINY, f"+plugins=[{plugins}]", f"plugins.ft.lighthouse={address}", "plugins.ft.timeout_s=5", *extra]
 
 
-@pytest.mark.parametrize("plan", [("ft,fsdp", "plugins.fsdp.degree=2"), ("ft,pp", "plugins.pp.degree=2")],
-                         ids=["fsdp2", "pp2"])
+@pytest.mark.parametrize("plan", [("ft,fsdp", "plugins.fsdp.degree=2"), ("ft,pp", "plugins.pp.degree=2"),
+                                  ("ft,tp", "plugins.tp.degree=2"), ("ft,cp", "plugins.cp.degree=2")],
+                         ids=["fsdp2", "pp2", "tp2", "cp2"])
 def test_two_groups_train_as_one_process(plan, lighthouse, titan_reference, tmp_path):
-    """No fault: groups 0 and 1, each fsdp 2 (or a pipeline of 2 stages) on its half of every global batch, end with
-    the one-process weights; the mean of their losses (each its own rows' mean, the rows alike in tokens) is the one
+    """No fault: groups 0 and 1, each fsdp 2 (or a pipeline of 2 stages, tensor or context parallel 2) on its half of
+    every global batch, end with the one-process weights; the mean of their losses (each its own rows' mean, the rows alike in tokens) is the one
     process's loss."""
     address = lighthouse(2)
     jobs = [Group(groups_of(address, *plan, f"plugins.ft.replica_group={index}"), tmp_path / f"group{index}")
