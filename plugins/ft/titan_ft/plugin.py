@@ -222,17 +222,17 @@ class FaultTolerance:
         self.state, mode = state, plugin_config.mode
         self.weights = [dict(part.state_dict()) for part in state.model_parts]
         self.exits.enter_context(library_logs_at_debug(*TORCHFT_LOGGERS))
-        seconds = lambda name: timedelta(seconds=float(plugin_config[name]))  # noqa: E731
+        timeout, quorum_timeout, connect_timeout = (timedelta(seconds=float(plugin_config[name]))
+                                                    for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"))
         self.store, host, port = group_store()
         self.manager = Manager(
-            pg=ProcessGroupNCCL() if mesh.device_type == "cuda" else ProcessGroupGloo(timeout=seconds("timeout_s")),
+            pg=ProcessGroupNCCL() if mesh.device_type == "cuda" else ProcessGroupGloo(timeout=timeout),
             load_state_dict=self.load_peer_state, state_dict=self.peer_state,
             min_replica_size=plugin_config.min_replicas, use_async_quorum=mode == "sync",
-            timeout=seconds("timeout_s"), quorum_timeout=seconds("quorum_timeout_s"),
-            connect_timeout=seconds("connect_timeout_s"), rank=dist.get_rank(), world_size=dist.get_world_size(),
+            timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=dist.get_rank(), world_size=dist.get_world_size(),
             store_addr=host, store_port=port, lighthouse_addr=lighthouse_address(plugin_config),
             replica_id=f"titan_group_{plugin_config.replica_group}", init_sync=False,
-            checkpoint_transport=quiet_http_transport(seconds("timeout_s")))
+            checkpoint_transport=quiet_http_transport(timeout))
         if self.restored is not None:
             self.manager.load_state_dict(self.restored)
         if mode == "sync":
