@@ -124,6 +124,7 @@ PLUGIN_BAD = {
     "plugins.ft.group_count": "0", "plugins.ft.min_replicas": ("0", "3"), "plugins.ft.mode": "async",
     "plugins.ft.sync_every": ("0", "5"), "plugins.ft.outer_lr": ("0", "0.5"), "plugins.ft.outer_momentum": "1.0",
     "plugins.ft.quorum_timeout_s": "0", "plugins.ft.timeout_s": "-5", "plugins.ft.connect_timeout_s": "inf",
+    "plugins.ft.may_differ": ("[trainng.steps]", "training.steps"),
     "plugins.muon.lr": "0", "plugins.muon.weight_decay": "-1", "plugins.muon.momentum": "1.0",
     "plugins.muon.nesterov": "1", "plugins.muon.adjust_lr": "moonlight", "plugins.muon.ns_steps": ("0", "2.5"),
     "plugins.muon.ns_coefficients": "[1,2]", "plugins.muon.ns_dtype": "float16", "plugins.muon.eps": "0",

@@ -205,7 +205,8 @@ def test_a_group_that_loses_a_rank_restarts_by_itself_and_recovers_from_its_peer
     group 0's averaging with it fails and that step is not committed; group 1's launcher restarts both its workers
     (launch.max_restarts=1), whose new manager finds the group behind and takes group 0's state (served while group
     0 runs forward); group 0 never stops, and both end equal."""
-    overrides = groups_of(lighthouse(1), "ft,fsdp,paced", "plugins.fsdp.degree=2", "training.steps=30")
+    overrides = groups_of(lighthouse(1), "ft,fsdp,paced", "plugins.fsdp.degree=2", "training.steps=30",
+                          "plugins.ft.may_differ=[plugins.paced]")  # group 1's fault is a test's option
     first = Group([*overrides, "plugins.ft.replica_group=0"], tmp_path / "group0", paced)
     second = Group([*overrides, "plugins.ft.replica_group=1", "plugins.paced.kill_at=5", "launch.max_restarts=1"],
                    tmp_path / "group1", paced)
@@ -251,6 +252,48 @@ def test_local_sgd_and_diloco_bring_the_groups_together_at_each_synchronization(
     assert (ends["local_sgd"][name] - ends["diloco"][name]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("mode", ["sync", "local_sgd"])
+def test_a_group_started_with_other_options_stops_in_one_line_and_the_other_trains_on(mode, lighthouse, paced,
+                                                                                       tmp_path):
+    """Group 1 with another learning rate: compared at the first quorum it takes part in (a step's under sync, a
+    synchronization's under local_sgd), it exits 2 with one line naming the optimizer's options, before any average
+    with it is committed; group 0 (ahead on the tie) says so once and trains to the end alone."""
+    overrides = groups_of(lighthouse(1), "ft,paced", "training.steps=20", f"plugins.ft.mode={mode}",
+                          *(["plugins.ft.sync_every=2"] if mode == "local_sgd" else []))
+    first = Group([*overrides, "plugins.ft.replica_group=0"], tmp_path / "group0", paced)
+    second = Group([*overrides, "plugins.ft.replica_group=1", "optimizer.lr=2e-3"], tmp_path / "group1", paced)
+    assert second.process.wait(180) == 2, second.log()
+    lines = [line for line in second.log().splitlines() if "error" in line.lower()]
+    assert lines == ["titan-core: error: optimizer: replica group 1 runs other optimizer options than group 0 (1 of 2 "
+                     "groups run those); fix: start every group with the same options but plugins.ft.replica_group "
+                     "(list an option that does not change what trains in plugins.ft.may_differ)"], second.log()
+    result = first.finish()
+    assert [m["step"] for m in result.metrics][-1] == 20 and result.metrics[-1]["ft_groups"] == 1.0
+    console = (tmp_path / "group0.out").read_text()
+    assert console.count("ft: replica group 1 runs other optimizer options than this group: it stops") == 1
+
+
+def test_the_parts_compared_leave_out_what_a_group_lists_in_may_differ():
+    """Two jobs apart in their seed share every part once both list training.seed, and only then; the group's own
+    index and lighthouse never count."""
+    from omegaconf import OmegaConf
+    from titan_ft.agreement import PARTS, digests, shared_parts
+
+    class Plan:
+        mesh_shape, names = {"dp_shard": 2}, ["fsdp", "ft"]
+
+    def job(seed, group, may_differ=()):
+        config = OmegaConf.create({"training": {"seed": seed, "steps": 5}, "optimizer": {"lr": 1e-3},
+                                   "metrics": {"log_every": group + 1},
+                                   "plugins": {"ft": {"replica_group": group, "lighthouse": f"http://h{group}:1",
+                                                      "may_differ": list(may_differ)}}})
+        return digests(shared_parts(config, Plan, list(may_differ)))
+
+    apart = [part for part, a, b in zip(PARTS, job(0, 0), job(1, 1)) if a != b]
+    assert apart == ["training"]
+    assert job(0, 0, ["training.seed"]) == job(1, 1, ["training.seed"])
+
+
 def test_the_lighthouse_unreachable_is_one_line_before_launch(tmp_path):
     """Exit 2 and one line naming the option, before any worker starts (no rank log written)."""
     result = run_job([*TINY, "+plugins=[ft]", "plugins.ft.lighthouse=http://localhost:9"], tmp_path / "run",
@@ -277,3 +320,5 @@ def test_the_planner_prices_the_all_reduce_between_groups_on_the_network(tmp_pat
     assert ("collective ft: gradients averaged across 4 replica groups over replica groups: 5.61 GiB per step at "
             "50 GB/s") in planned.stdout, planned.stdout
     assert "ft: gradient bucket 64.00 MiB" in planned.stdout
+    # 4 rows of 8 float64 digests, ring-priced: 2 x 3/4 x 256 bytes
+    assert "collective ft: the groups' options compared over replica groups: 384 B per step" in planned.stdout

@@ -5,6 +5,7 @@ import math
 
 from titan_core import hookimpl
 from titan_core.planner import ACROSS_JOBS
+from titan_ft.agreement import PARTS
 from titan_ft.plugin import BUCKET_BYTES
 
 
@@ -12,7 +13,8 @@ from titan_ft.plugin import BUCKET_BYTES
 def estimate_costs(estimate, plugin_config, plan):
     """ft: a ring all-reduce of what this rank keeps of the gradients (sync) or of the weights, once per sync
     (local_sgd, diloco), between the same rank of every group; DiLoCo's outer momentum. The quorum (overlapped with
-    forward) and the commit vote cost a round trip each: torchft's messages, one answer listing every group. DiLoCo's
+    forward) and the commit vote cost a round trip each: torchft's messages, one answer listing every group; the
+    groups' table of option digests, one all-reduce per quorum. DiLoCo's
     copy of the weights as last synchronized lives in host memory, not the device's."""
     groups, sync = plan.replica_group[1], plugin_config.mode == "sync"
     every = 1 if sync else plugin_config.sync_every
@@ -28,6 +30,9 @@ def estimate_costs(estimate, plugin_config, plan):
                                              else e.facts.parameter_tensors) / every)
     estimate.add_collective("quorum and commit vote", (ACROSS_JOBS,), 0, overlapped=False, plugin="ft",
                             calls=2 / every)
+    estimate.add_collective("the groups' options compared", (ACROSS_JOBS,),
+                            2 * 8 * len(PARTS) * groups * (groups - 1) / groups / every, overlapped=False, plugin="ft",
+                            calls=1 / every)
     if sync:
         estimate.add_memory("buffers", lambda e: min(kept_bytes(e), BUCKET_BYTES), "gradient bucket", "ft", when="end")
     elif plugin_config.mode == "diloco":

@@ -32,6 +32,7 @@ from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.local_sgd import DiLoCo, LocalSGD
 
 from titan_core import ConfigError, Declaration, TrainState, hookimpl, library_logs_at_debug
+from titan_ft.agreement import check_agreement, check_paths, digests, shared_parts
 
 # A recovery reads the peer's tensors from a bytes buffer, and torch warns that the buffer is read-only: they are
 # copied into the training state at once.
@@ -193,12 +194,15 @@ class FaultTolerance:
         # parameters themselves (FSDP keeps its sharded DTensors' identity), so they are always the current ones.
         self.weights: list[dict[str, torch.Tensor]] = []
         self.store: dist.TCPStore | None = None  # rank 0's: the group's manager meets there
+        self.digests: list[int] = []  # this group's parts, compared with every group's at each quorum
+        self.warned: set[int] = set()  # groups already said to differ from this one
         self.exits = contextlib.ExitStack()
 
     @hookimpl
-    def declare(self, plugin_config):
+    def declare(self, config, plugin_config):
         """ft: this job's replica group and the groups' count, which split the data."""
         check_options(plugin_config)
+        check_paths(config, plugin_config.may_differ)
         semi_synchronous = ("plugins.ft.mode=local_sgd or diloco", lambda options, _: options.mode != "sync")
         return Declaration(replica_group=(plugin_config.replica_group, plugin_config.group_count),
                            acts_only={"sync_every": semi_synchronous,
@@ -216,10 +220,11 @@ class FaultTolerance:
                               "--min_replicas 1 --join_timeout_ms 10000), or point plugins.ft.lighthouse at it")
 
     @hookimpl
-    def wrap_optimizer(self, optimizer, state, mesh, plugin_config):
+    def wrap_optimizer(self, optimizer, state, mesh, config, plugin_config, plan):
         """ft: this group's manager joins the lighthouse; sync steps commit through it, local_sgd and diloco
         synchronize from the optimizer's step."""
         self.state, mode = state, plugin_config.mode
+        self.digests = digests(shared_parts(config, plan, list(plugin_config.may_differ)))
         self.weights = [dict(part.state_dict()) for part in state.model_parts]
         self.exits.enter_context(library_logs_at_debug(*TORCHFT_LOGGERS))
         timeout, quorum_timeout, connect_timeout = (timedelta(seconds=float(plugin_config[name]))
@@ -238,6 +243,14 @@ class FaultTolerance:
         if mode == "sync":
             self.steps = CommittedSteps(self.manager, optimizer)
             return self.steps
+        # LocalSGD and DiLoCo start each synchronization's quorum themselves: the groups compare their parts there,
+        # as the quorum is formed, before the weights' all-reduces.
+        start_quorum, group = self.manager.start_quorum, plugin_config.replica_group
+
+        def start_quorum_and_agree(*args, **kwargs):
+            start_quorum(*args, **kwargs)
+            check_agreement(self.manager, self.digests, group, plugin_config.group_count, self.warned)
+        self.manager.start_quorum = start_quorum_and_agree  # type: ignore[method-assign]
         model = nn.ModuleList(state.model_parts)
         if mode == "local_sgd":
             self.exits.enter_context(LocalSGD(self.manager, model, state.optimizer, plugin_config.sync_every))
@@ -249,8 +262,10 @@ class FaultTolerance:
 
     @hookimpl
     def after_backward(self, model_parts, plugin_config):
-        """ft (sync): the gradients averaged over the groups in the quorum."""
+        """ft (sync): the groups' parts compared, then the gradients averaged over the groups in the quorum."""
         if plugin_config.mode == "sync":
+            check_agreement(self.manager, self.digests, plugin_config.replica_group, plugin_config.group_count,
+                            self.warned)
             average_across_groups(self.manager, [local(p.grad) for part in model_parts for p in part.parameters()
                                                  if p.grad is not None])
 
