@@ -108,6 +108,20 @@ def test_warmup_stable_decay_holds_then_decays_in_its_shape():
     assert rates()[80] == 1.0 and rates()[81] < 1.0  # null: the last fifth decays
 
 
+@pytest.mark.parametrize("overrides, line", [
+    (["lr_scheduler.decay_steps=20"], "lr_scheduler.decay_steps: 20 does nothing unless lr_scheduler.decay=wsd (decay "
+     "is cosine); fix: set lr_scheduler.decay=wsd, or leave lr_scheduler.decay_steps at its default (null)"),
+    (["lr_scheduler.decay=linear", "lr_scheduler.decay_shape=sqrt"], "lr_scheduler.decay_shape: sqrt does nothing unless "
+     "lr_scheduler.decay=wsd (decay is linear); fix: set lr_scheduler.decay=wsd, or leave lr_scheduler.decay_shape at "
+     "its default (linear)"),
+])
+def test_wsds_options_beside_another_decay_are_refused(overrides, line):
+    """decay_steps and decay_shape shape wsd's decay only: beside cosine or linear they once did nothing silently."""
+    from titan_core.testing import config_error
+
+    assert str(config_error(*overrides)) == line
+
+
 @pytest.mark.parametrize("override, words", [
     ("lr_scheduler.decay=step", "lr_scheduler.decay: unknown decay 'step'"),
     ("lr_scheduler.decay_shape=exp", "lr_scheduler.decay_shape: unknown shape 'exp'"),

@@ -150,6 +150,8 @@ def test_nothing_is_written_for_refused_input(tmp_path):
     ("tiny", "n_kv_heads=0"), ("tiny", "rope_theta=-1.0"), ("qwen3_tiny", "head_dim=0"),
     ("qwen3_moe_tiny", "num_key_value_heads=0"), ("deepseek_v3_tiny", "kv_lora_rank=0"),
     ("deepseek_v3_tiny", "beta_fast=0.0"), ("gpt_oss_tiny", "original_max_position_embeddings=0"),
+    ("qwen3_moe_tiny", "moe_intermediate_size=0"), ("deepseek_v3_tiny", "moe_intermediate_size=0"),
+    ("gpt_oss_tiny", "moe_intermediate_size=0"), ("qwen3_moe_tiny", "num_experts=0"),
 ])
 def test_a_model_size_rank_or_factor_that_is_not_positive_is_refused(preset, option):
     """Every family validates its sizes, ranks and factors where it reads them: a zero-width latent (DeepSeek-V3's

@@ -106,6 +106,12 @@ def check_schedule(schedule, steps: int) -> None:
         raise ConfigError("lr_scheduler.decay_shape", f"unknown shape '{schedule.decay_shape}'",
                           f"use one of {', '.join(DECAY_SHAPES)}")
     decay_steps = schedule.decay_steps
+    # wsd's own options would do nothing beside another decay: a silent mistake (conf/config.yaml's defaults).
+    for option, value, default in (("decay_steps", decay_steps, None), ("decay_shape", schedule.decay_shape, "linear")):
+        if schedule.decay != "wsd" and value != default:
+            raise ConfigError(f"lr_scheduler.{option}", f"{value} does nothing unless lr_scheduler.decay=wsd "
+                              f"(decay is {schedule.decay})", f"set lr_scheduler.decay=wsd, or leave "
+                              f"lr_scheduler.{option} at its default ({'null' if default is None else default})")
     if decay_steps is not None and (not _count(decay_steps) or not 1 <= decay_steps <= max(1, steps)):
         raise ConfigError("lr_scheduler.decay_steps", f"{decay_steps!r} is not a number of steps from 1 to "
                           f"training.steps ({steps})", "set it within the run, or null for a fifth of it")

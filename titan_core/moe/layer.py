@@ -88,6 +88,11 @@ class MoeOptions:
 
 def check_moe_options(options: MoeOptions) -> None:
     """Refuse routing options that cannot work, in one line naming the field."""
+    for field in ("num_experts", "moe_intermediate_size"):  # 0: experts of no width, which torch runs without a word
+        value = getattr(options, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model.{field}", f"{value!r} is not a positive number",
+                              f"set model.{field} to a positive integer")
     if not 1 <= options.num_experts_per_tok <= options.num_experts:
         raise ConfigError("model.num_experts_per_tok", f"{options.num_experts_per_tok} experts per token out of "
                           f"{options.num_experts}", f"choose 1 to {options.num_experts}")

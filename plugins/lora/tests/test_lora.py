@@ -336,7 +336,7 @@ def test_adapters_on_experts_train_as_peft_does_and_under_expert_parallel_like_o
 
     merged = subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(exported), str(tmp_path / "m")],
                             capture_output=True, text=True)
-    assert merged.returncode == 1 and "merge it with PEFT" in merged.stderr.strip().splitlines()[-1]
+    assert merged.returncode == 2 and "merge it with PEFT" in merged.stderr.strip().splitlines()[-1]
 
 
 def test_what_lora_cannot_do_is_refused(start):
@@ -378,7 +378,7 @@ def test_an_adapter_whose_math_lora_does_not_compute_is_refused(start, tmp_path,
                           "into its base with PEFT (merge_and_unload, save_pretrained) and train from the merged folder")
     merged = subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(tmp_path / "adapter"),
                              str(tmp_path / "merged")], capture_output=True, text=True)
-    assert merged.returncode == 1 and f"sets {field}" in merged.stderr.strip().splitlines()[-1]
+    assert merged.returncode == 2 and f"sets {field}" in merged.stderr.strip().splitlines()[-1]
     assert not list(tmp_path.glob("merged*"))
 
 
@@ -439,7 +439,7 @@ def test_an_adapter_of_another_base_is_refused_before_launch_and_merge_writes_no
     if other == "other-modules":  # a subset of this model's weights: a merge onto it is what was asked
         assert merged.returncode == 0, merged.stderr
         return
-    assert merged.returncode == 1 and merged.stderr.strip().splitlines() == [{
+    assert merged.returncode == 2 and merged.stderr.strip().splitlines() == [{
         "wider": f"titan-lora: error: {base}'s model.layers.0.mlp.down_proj.weight is [64, 96], the adapter's update "
                  f"of it [64, 128]: {tmp_path / 'adapter'} was trained on another model (it was trained on {donor})",
         "deeper": f"titan-lora: error: {base} lacks the weights the adapter changes (e.g. "
@@ -501,3 +501,16 @@ def test_generate_folds_a_runs_adapter_into_its_base_as_the_merged_export(start,
         f"titan-checkpoint: error: --adapter: {exported} changes model.layers.0.mlp.down_proj.weight ([64, 96]), and "
         "this model holds it as [64, 128]: the adapter is of another model; fix: give the base the adapter was trained "
         "on"]
+
+
+def test_merge_without_a_base_or_an_adapter_is_one_line_exit_2(tmp_path):
+    """A folder without its config file once printed argparse's usage and exited 2 with three lines."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    for base, adapter, missing in ((tmp_path, tmp_path, f"{tmp_path} has no config.json"),
+                                   (base, tmp_path, f"{tmp_path} has no adapter_config.json")):
+        done = subprocess.run([sys.executable, "-m", "titan_lora.merge", str(base), str(adapter), str(tmp_path / "out")],
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"titan-lora: error: {missing}"]
+        assert not (tmp_path / "out").exists()

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_core import peft_updates
+from titan_core import EXIT_BAD_INPUT, peft_updates
 
 
 def check_base(base: Path, adapter: Path, updates: dict[str, torch.Tensor]) -> None:
@@ -74,13 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("adapter", type=Path, help="a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
     parser.add_argument("out", type=Path, help="the merged folder to write")
     args = parser.parse_args(argv)
-    for folder, file in ((args.base, "config.json"), (args.adapter, "adapter_config.json")):
-        if not (folder / file).is_file():
-            parser.error(f"{folder} has no {file}")
     try:
+        for folder, file in ((args.base, "config.json"), (args.adapter, "adapter_config.json")):
+            if not (folder / file).is_file():
+                raise ValueError(f"{folder} has no {file}")
         merged = merge(args.base, args.adapter, args.out)
-    except ValueError as error:
-        sys.exit(f"titan-lora: error: {error}")
+    except ValueError as error:  # bad input: one line and the launcher's exit code for it, nothing written
+        print(f"titan-lora: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     print(f"wrote {args.out} ({merged} weights merged)")
 
 
