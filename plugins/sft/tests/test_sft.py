@@ -185,16 +185,29 @@ def test_too_few_held_out_conversations_for_a_batch_are_refused(tokenizer_folder
     assert error.field == "plugins.sft.holdout_every" and "holds out 4 usable conversations" in str(error)
 
 
-def test_a_conversation_file_cut_short_is_named_with_its_line(tokenizer_folder, tmp_path):
-    """A .jsonl copy cut in its last line: one line naming the file and the line, before launch (was 83 lines and
-    three tracebacks from the datasets library)."""
-    cut = tmp_path / "cut.jsonl"
+def test_a_conversation_file_cut_short_is_named_with_its_line_or_skipped_and_counted(tokenizer_folder, tmp_path):
+    """A .jsonl copy cut in its last line (was 83 lines and three tracebacks from the datasets library): under
+    bad_rows=stop one line naming the file and the line, before launch; under skip the line is left out and counted
+    like any bad row, and every whole line is a row, in the files' order."""
+    from titan_sft.plugin import _rows
+
     whole = CHAT.read_text()
+    folder = tmp_path / "conversations"
+    folder.mkdir()
+    cut, after = folder / "a.jsonl", folder / "b.jsonl"
     cut.write_text(whole + whole.splitlines()[0][:25])
-    error = config_error(*sft_job(tokenizer_folder), f"plugins.sft.path={cut}")
+    after.write_text("\n".join(whole.splitlines()[:3]) + "\n")
     lines = len(whole.splitlines()) + 1
+    error = config_error(*sft_job(tokenizer_folder), f"plugins.sft.path={cut}", "plugins.sft.bad_rows=stop")
     assert str(error) == (f"plugins.sft.path: {cut} line {lines} is not whole JSON (the file was cut short?); fix: "
-                          "remove the line, or copy the file again")
+                          "copy the file again, remove the line, or set plugins.sft.bad_rows=skip to train without it")
+    options = OmegaConf.create({"path": str(folder), "bad_rows": "skip", "name": None, "split": "train"})
+    rows, left_out = _rows(options)
+    assert left_out == [f"{cut} line {lines}"]
+    expected = [json.loads(line) for line in [*whole.splitlines(), *whole.splitlines()[:3]]]
+    assert rows.to_list() == expected
+    counted = run_job([*sft_job(tokenizer_folder), f"plugins.sft.path={folder}", "training.steps=1"], tmp_path / "run")
+    assert f"titan-sft: 1 of {lines + 3} conversations left out: 1 cut short (e.g. {cut} line {lines})" in counted.stdout
 
 
 @pytest.mark.parametrize("bad_rows", ["skip", "stop"])

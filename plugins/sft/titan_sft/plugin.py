@@ -63,7 +63,7 @@ class SftPlugin:
             raise ConfigError("validation.every", "plugins.sft holds out no conversations to validate on",
                               "set plugins.sft.holdout_every (e.g. 20), or validation.every=0")
         renderer = _renderer(config, plugin_config, load_tokenizer(config.tokenizer).bos_id)
-        rows = _rows(plugin_config)
+        rows, cut = _rows(plugin_config)
         if plugin_config.messages_field not in rows.column_names:
             raise ConfigError("plugins.sft.messages_field", f"'{plugin_config.messages_field}' is not a column of "
                               f"{plugin_config.path} (its columns: {', '.join(rows.column_names)})",
@@ -84,12 +84,13 @@ class SftPlugin:
             raise ConfigError("plugins.sft.path", f"{len(rows) - len(problems)} usable conversations, fewer than the "
                               f"{config.training.global_batch_size} rows of a batch", "add conversations, or lower "
                               "training.global_batch_size")
-        if problems:
+        if problems or cut:
             kinds: dict[str, list[int]] = {}
             for index, example in problems:
                 kinds.setdefault(example.kind, []).append(index)
-            print(f"titan-sft: {len(problems)} of {len(rows)} conversations left out: " + "; ".join(
-                f"{len(indices)} {kind} (e.g. row {indices[0]})" for kind, indices in kinds.items()), flush=True)
+            print(f"titan-sft: {len(problems) + len(cut)} of {len(rows) + len(cut)} conversations left out: " + "; ".join(
+                [f"{len(indices)} {kind} (e.g. row {indices[0]})" for kind, indices in kinds.items()]
+                + ([f"{len(cut)} cut short (e.g. {cut[0]})"] if cut else [])), flush=True)
 
     @hookimpl
     def build_dataloader(self, config, tokenizer, dp_rank, dp_size, plugin_config):
@@ -107,7 +108,7 @@ class SftPlugin:
 
     def _chat_rows(self, config, plugin_config, tokenizer, dp_rank, dp_size, keep) -> ChatRows:
         if self.source is None:  # read once per run for the training and the validation rows
-            self.source = (_renderer(config, plugin_config, tokenizer.bos_id), _rows(plugin_config))
+            self.source = (_renderer(config, plugin_config, tokenizer.bos_id), _rows(plugin_config)[0])
         renderer, dataset = self.source
         field = plugin_config.messages_field
         local = config.training.global_batch_size // dp_size
@@ -122,12 +123,13 @@ def held_out(index: int, every: int) -> bool:
     return bool(every) and index % every == every - 1
 
 
-def _rows(plugin_config):
-    """The dataset's rows (local files read with ``datasets``, else the hub dataset's split)."""
+def _rows(plugin_config) -> tuple[datasets.Dataset, list[str]]:
+    """The dataset's rows (local files read with ``datasets``, else the hub dataset's split), and the lines left out
+    of jsonl files cut short (``bad_rows=skip``; ``stop`` refuses them)."""
     path = Path(plugin_config.path).expanduser()
     if not path.exists():
         try:
-            return load_dataset(plugin_config.path, name=plugin_config.name, split=plugin_config.split)
+            return load_dataset(plugin_config.path, name=plugin_config.name, split=plugin_config.split), []
         except Exception as error:  # offline, unknown name or split: datasets' many kinds of error
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise ConfigError("plugins.sft.path", f"not a local file or folder, nor a readable hub dataset ({reason})",
@@ -137,32 +139,47 @@ def _rows(plugin_config):
     if not files or len(formats) != 1 or None in formats:
         raise ConfigError("plugins.sft.path", f"{path} holds no conversations in one format",
                           f"use {', '.join(FORMATS)} files, all of one format")
-    for file in files:
-        if file.endswith(".jsonl"):
-            check_last_line(Path(file))
+    cut = {file: line for file in files if file.endswith(".jsonl") and (line := cut_last_line(Path(file)))}
+    if cut and plugin_config.bad_rows == "stop":
+        file, line = next(iter(cut.items()))
+        raise ConfigError("plugins.sft.path", f"{file} line {line} is not whole JSON (the file was cut short?)",
+                          "copy the file again, remove the line, or set plugins.sft.bad_rows=skip to train without it")
     try:
-        return load_dataset(formats.pop(), data_files=files, split="train")
+        kind = formats.pop()
+        if not cut:
+            return load_dataset(kind, data_files=files, split="train"), []
+        # Each file on its own, in order, so that the rows keep their indices: the cut ones without their last line.
+        parts = [whole_lines(file) if file in cut else load_dataset(kind, data_files=[file], split="train")
+                 for file in files]
+        return datasets.concatenate_datasets(parts), [f"{file} line {line}" for file, line in cut.items()]
     except Exception as error:  # datasets' parse errors, of many kinds: one line naming the files
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         raise ConfigError("plugins.sft.path", f"{path} cannot be read as conversations ({reason})",
                           "fix or remove the damaged file") from None
 
 
-def check_last_line(file: Path) -> None:
-    """A jsonl file's last line is whole JSON: a copy cut short ends in half a conversation (read from the end only)."""
+def cut_last_line(file: Path) -> int | None:
+    """The number of a jsonl file's last line if it is not whole JSON (a copy cut short), else None (read from the end
+    only, and through the whole file only to count its lines once it is cut)."""
     with open(file, "rb") as opened:
         size = opened.seek(0, 2)
         opened.seek(max(0, size - (1 << 20)))
         tail = opened.read().rstrip(b"\n").rsplit(b"\n", 1)
     if not tail[-1].strip():
-        return
+        return None
     try:
         json.loads(tail[-1])
     except ValueError:
         with open(file, "rb") as opened:
-            line = sum(1 for _ in opened)
-        raise ConfigError("plugins.sft.path", f"{file} line {line} is not whole JSON (the file was cut short?)",
-                          "remove the line, or copy the file again") from None
+            return sum(1 for _ in opened)
+    return None
+
+
+def whole_lines(file: str) -> datasets.Dataset:
+    """A jsonl file cut in its last line, as rows of its whole lines."""
+    with open(file, encoding="utf-8") as opened:
+        lines = opened.read().splitlines()[:-1]
+    return datasets.Dataset.from_list([json.loads(line) for line in lines if line.strip()])
 
 
 def _renderer(config, plugin_config, bos_id: int) -> ChatRenderer:
