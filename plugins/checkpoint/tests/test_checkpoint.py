@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 import torch
 from omegaconf import OmegaConf
 
@@ -133,7 +134,8 @@ def uninterrupted(tmp_path_factory):
 def test_stopped_run_resumes_bit_for_bit(tmp_path, faults, uninterrupted, plan, options):
     env, fault = faults("kill", at_step=7)
     options = (*options, "plugins.checkpoint.interval=2")
-    stopped = run_job(job(plan, *options, *fault, faults=True), tmp_path, env=env, expect_success=False)
+    logged = ("metrics.tensorboard=true",)
+    stopped = run_job(job(plan, *options, *logged, *fault, faults=True), tmp_path, env=env, expect_success=False)
     assert stopped.returncode != 0 and max(losses_by_step(stopped)) == 7
     # Saving step 6 waited for step 4's save; step 6's own may have been cut short (asynchronous), or have
     # finished writing but not been renamed, which the next start publishes (files.recover).
@@ -143,13 +145,18 @@ def test_stopped_run_resumes_bit_for_bit(tmp_path, faults, uninterrupted, plan, 
                 if (p / ".metadata").is_file()]
     newest = max(int(name.split("-")[1]) for name in finished)
 
-    resumed = run_job(job(plan, *options), tmp_path)
+    resumed = run_job(job(plan, *options, *logged), tmp_path)
     log = (tmp_path / "logs" / "rank0.log").read_text()
     assert f"checkpoints/step-{newest}: continuing after step {newest}" in log
     whole = uninterrupted(plan, *options)
     assert losses_by_step(resumed) == losses_by_step(whole)
-    # Each step logged once: the resumed run cut what its stopped attempt logged past the checkpoint.
+    # Each step logged once: the resumed run cut what its stopped attempt logged past the checkpoint, and TensorBoard
+    # reads the stopped attempt's points past it as purged.
     assert [m["step"] for m in resumed.metrics] == [m["step"] for m in whole.metrics]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(m["step"], pytest.approx(m["loss"]))
+                                                                   for m in resumed.metrics]
     assert_same_weights(resumed.final_weights(), whole.final_weights())
 
 
