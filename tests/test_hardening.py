@@ -134,6 +134,7 @@ def test_each_rank_checks_only_the_blocks_it_reads(prepared):
 FAULTY_STORAGE = """
 import errno
 import os
+import resource
 from pathlib import Path
 
 from torch.distributed.checkpoint import filesystem
@@ -154,7 +155,10 @@ def after_init(plugin_config):
     create_stream, write_text = filesystem.FileSystem.create_stream, Path.write_text
 
     def refusing_stream(self, path, mode):
-        if failing(path) and "w" in mode:
+        if failing(path) and "w" in mode and plugin_config.code == "FSIZE":
+            # A real limit from here on: the OS cuts each write past 64 KiB short (Python ignores SIGXFSZ).
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        elif failing(path) and "w" in mode:
             raise error(path)
         return create_stream(self, path, mode)
 
@@ -173,7 +177,8 @@ def faulty_storage(tmp_path):
 
 
 @pytest.mark.parametrize("code, cause", [("ENOSPC", "No space left on device"), ("EROFS", "Read-only file system"),
-                                         ("EIO", "Input/output error")], ids=["full", "read-only", "vanished"])
+                                         ("EIO", "Input/output error"), ("FSIZE", "File too large")],
+                         ids=["full", "read-only", "vanished", "past-a-real-file-size-limit"])
 def test_a_storage_fault_during_a_save_is_one_line_and_keeps_the_checkpoint_before(tmp_path, faulty_storage, code,
                                                                                     cause):
     job = [*TINY, "training.steps=6", "+plugins=[checkpoint,faultystorage]", "plugins.checkpoint.interval=2",
@@ -182,7 +187,7 @@ def test_a_storage_fault_during_a_save_is_one_line_and_keeps_the_checkpoint_befo
     folder = tmp_path / "run" / "checkpoints"
     lines = [line for line in result.stderr.splitlines() if line.startswith("titan-core:")]
     assert result.returncode == 74 and lines == [
-        f"titan-core: storage: rank 0: {folder / 'step-4.partial'}: {cause} (errno {getattr(errno, code)}); the "
+        f"titan-core: storage: rank 0: {folder / 'step-4.partial'}: {cause} (errno {getattr(errno, code, errno.EFBIG)}); the "
         f"newest checkpoint, {folder / 'step-2'}, is intact"], result.stderr
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["step-2"]  # the failed save's files are gone
