@@ -257,7 +257,9 @@ def test_a_broken_folder_is_named_before_launch(folders, tmp_path):
 
     weights = "model.safetensors"
     said = damaged("cut", lambda f: (f / weights).write_bytes((f / weights).read_bytes()[:5000]))
-    assert said.startswith(f"plugins.checkpoint.load_path: {tmp_path / 'cut' / weights} is not a whole safetensors")
+    assert said.startswith(f"model.path: {tmp_path / 'cut' / weights} is not a whole safetensors")  # the option set
+    loaded = config_error("model=qwen3_tiny", "+plugins=[checkpoint]", f"plugins.checkpoint.load_path={tmp_path / 'cut'}")
+    assert str(loaded).startswith(f"plugins.checkpoint.load_path: {tmp_path / 'cut' / weights} is not a whole")
     said = damaged("lfs", lambda f: (f / weights).write_text("version https://git-lfs.github.com/spec/v1\n"))
     assert said.endswith(f"is a git-lfs pointer, not the weights; fix: fetch them: git lfs pull in {tmp_path / 'lfs'}")
     said = damaged("missing", lambda f: (f / shards[0].name).unlink(), sharded)

@@ -77,15 +77,15 @@ def write_hf_index(folder: Path, weight_map: dict[str, str], total_bytes: int, a
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def read_hf_config(folder: Path, adapter: HFAdapter) -> dict:
-    """The folder's config.json, checked to be of the adapter's model type."""
+def read_hf_config(folder: Path, adapter: HFAdapter, field: str = FIELD) -> dict:
+    """The folder's config.json, checked to be of the adapter's model type (``field``: the option that named it)."""
     path = folder / "config.json"
     if not path.is_file():
-        raise ConfigError(FIELD, f"{folder} has no config.json", "point it at a Hugging Face model folder")
+        raise ConfigError(field, f"{folder} has no config.json", "point it at a Hugging Face model folder")
     config = json.loads(path.read_text())
     expected = adapter.config.get("model_type")
     if config.get("model_type") != expected:
-        raise ConfigError(FIELD, f"{path} is model_type '{config.get('model_type')}', not {expected}",
+        raise ConfigError(field, f"{path} is model_type '{config.get('model_type')}', not {expected}",
                           "import a model of the family model.name selects")
     return config
 
@@ -94,12 +94,12 @@ def read_hf_config(folder: Path, adapter: HFAdapter) -> dict:
 CONTEXT_FIELDS = ("max_position_embeddings",)
 
 
-def check_folder_model(folder: Path, description, config) -> None:
+def check_folder_model(folder: Path, description, config, field: str = FIELD) -> None:
     """The folder's model is the job's: its config.json, read into options as a job starting from the folder reads
     it, describes a model that exports the same config.json (but its context length). A preset that disagrees with
     the folder on a value no tensor shape shows (rope_theta, an epsilon, a routing flag) would load the weights and
     train them in another model without a word."""
-    options = description.hf.options_from_hf(read_hf_config(folder, description.hf))
+    options = description.hf.options_from_hf(read_hf_config(folder, description.hf, field))
     start = OmegaConf.create({"model": options, "training": {"seq_len": config.training.seq_len}})
     theirs = model_description(start, load_tokenizer(config.tokenizer).vocab_size).hf.config
     ours = description.hf.config
@@ -108,12 +108,12 @@ def check_folder_model(folder: Path, description, config) -> None:
                        key=lambda key: (isinstance(theirs.get(key), dict), key))  # a plain value names it best
     if differing:
         key = differing[0]
-        raise ConfigError(FIELD, f"{folder / 'config.json'} has {key}={theirs.get(key)!r} where the job's model has "
+        raise ConfigError(field, f"{folder / 'config.json'} has {key}={theirs.get(key)!r} where the job's model has "
                           f"{ours.get(key)!r}", f"start from the folder with model=hf model.path={folder} (every "
                           "option from it), or set the model's options to the folder's")
 
 
-def check_weight_files(folder: Path) -> None:
+def check_weight_files(folder: Path, field: str = FIELD) -> None:
     """The folder's weight files are whole and are what its index says, from their headers only (a download cut short,
     a git-lfs pointer left where the weights should be, a shard missing or another one's tensors): each named."""
     index = folder / "model.safetensors.index.json"
@@ -123,26 +123,28 @@ def check_weight_files(folder: Path) -> None:
             placed.setdefault(folder / file, set()).add(name)
     elif (folder / "model.safetensors").is_file():
         placed[folder / "model.safetensors"] = set()
+    else:
+        tensor_files(folder, field)  # names what the folder lacks
     for path, names in placed.items():
         if not path.is_file():
-            raise ConfigError(FIELD, f"{index} places tensors in {path.name}, which {folder} lacks",
+            raise ConfigError(field, f"{index} places tensors in {path.name}, which {folder} lacks",
                               "download the missing shard (or the whole folder) again")
         with open(path, "rb") as file:
             if file.read(40).startswith(b"version https://git-lfs"):
-                raise ConfigError(FIELD, f"{path} is a git-lfs pointer, not the weights",
+                raise ConfigError(field, f"{path} is a git-lfs pointer, not the weights",
                                   f"fetch them: git lfs pull in {folder}")
         try:
             with safe_open(path, "pt") as opened:
                 held = set(opened.keys())
         except SafetensorError as error:
-            raise ConfigError(FIELD, f"{path} is not a whole safetensors file ({error})",
+            raise ConfigError(field, f"{path} is not a whole safetensors file ({error})",
                               "download it again: it was cut short or damaged") from None
         if names - held:
-            raise ConfigError(FIELD, f"{path.name} lacks {sorted(names - held)[0]}, which {index.name} places there",
+            raise ConfigError(field, f"{path.name} lacks {sorted(names - held)[0]}, which {index.name} places there",
                               "download the folder again: its index and shards disagree")
 
 
-def tensor_files(folder: Path) -> dict[str, Path]:
+def tensor_files(folder: Path, field: str = FIELD) -> dict[str, Path]:
     """The file holding each tensor of the folder, by Hugging Face name, from headers only."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -151,7 +153,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     if single.is_file():
         with safe_open(single, "pt") as f:
             return dict.fromkeys(f.keys(), single)
-    raise ConfigError(FIELD, f"{folder} has no model.safetensors or model.safetensors.index.json",
+    raise ConfigError(field, f"{folder} has no model.safetensors or model.safetensors.index.json",
                       "point it at a Hugging Face folder with safetensors weights")
 
 

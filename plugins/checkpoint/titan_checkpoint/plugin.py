@@ -71,9 +71,10 @@ def validate_options(config, plugin_config, plan) -> None:
             if plan.model.hf is None:
                 raise ConfigError("plugins.checkpoint.load_path", lacks(plan.model, "hf", "Hugging Face import"),
                                   "load a titan-core checkpoint instead")
-            read_hf_config(path, plan.model.hf)
-            check_weight_files(path)
-            check_folder_model(path, plan.model, config)
+            field = "plugins.checkpoint.load_path" if plugin_config.load_path else "model.path"  # what the user set
+            read_hf_config(path, plan.model.hf, field)
+            check_weight_files(path, field)
+            check_folder_model(path, plan.model, config, field)
             saved = hf_shapes(path, plan.model.hf, [k[len("model."):] for k in expected])
         else:
             saved = dcp_shapes(path)[1]
