@@ -166,3 +166,18 @@ def test_torchs_archive_writer_cut_short_is_a_storage_fault(tmp_path):
     assert (int(code), reason) == (errno.EIO, "a file came out short, as on a full disk or past a file-size limit "
                                               f"(torch: {words})")
     assert storage_cause(RuntimeError("a tensor's size differs")) is None  # other errors stay a rank's failure
+
+
+def test_generate_streams_each_token_as_it_is_chosen_and_holds_a_split_character(capsys):
+    """generate prints the text of every token as it is chosen (flushed, not at the end), and holds back a character
+    whose bytes span tokens until its last one comes (byte-level tokens decode it to U+FFFD until then)."""
+    from titan_checkpoint.generate import Stream
+
+    pieces = {1: b"Hi", 2: b" caf", 3: "é".encode()[:1], 4: "é".encode()[1:], 5: b"!"}
+    stream = Stream(lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace"))
+    seen = []
+    for length in range(1, 6):
+        stream([1, 2, 3, 4, 5][:length])
+        seen.append(capsys.readouterr().out)
+    stream.end([1, 2, 3, 4, 5])
+    assert seen == ["Hi", " caf", "", "é", "!"] and capsys.readouterr().out == "\n"
