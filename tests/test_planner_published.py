@@ -121,6 +121,10 @@ def test_recommend_puts_first_the_best_published_plan_of_the_seeds_8b_on_8_gpus(
     first = text.splitlines()[1].split()
     assert "+plugins=[fsdp,ac,compile,float8]" in first and "plugins.ac.matmuls=every_other" in first, text
     assert float(first[0].replace(",", "")) == pytest.approx(8532, rel=0.05)
+    # docs/planner.md quotes this very output
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "planner.md").read_text().split())
+    plans = text.splitlines()[0].split(" of ")[1].split()[0]
+    assert f"ranks the {plans} plans that fit" in doc and f"predicted {first[0]} TPS/GPU at {first[2]} GiB" in doc
 
 
 def test_the_estimate_says_by_how_much_it_fits_and_how_far_off_the_planner_has_been():
