@@ -256,8 +256,8 @@ def build_dataloader(config: DictConfig, tokenizer: Tokenizer, dp_rank: int, dp_
     (``data.prefetch``) and saves its position as of the batches taken.
 
     :param tokenizer: The run's tokenizer (:class:`titan_core.Tokenizer`).
-    :param dp_rank: This rank's index among the ``dp_size`` data-parallel ranks (of every replica group:
-        ``Plan.data_shards``).
+    :param dp_rank: This rank's index among the ``dp_size`` data-parallel ranks of every replica group
+        (``Plan.data_shard``, ``Plan.data_shards``).
     :returns: :class:`titan_core.Batches`: ``(inputs, labels)`` local batches (``global_batch_size / dp_size`` rows
         of ``seq_len`` tokens), ``state_dict()`` a snapshot taken after each batch, and optionally ``metrics()``.
     """

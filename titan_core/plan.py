@@ -135,6 +135,10 @@ class Plan:
         """The shares a global batch's rows are split into: every replica group's data-parallel ranks."""
         return self.dp_size * self.replica_group[1]
 
+    def data_shard(self, dp_rank: int) -> int:
+        """Which of the ``data_shards`` the data-parallel rank ``dp_rank`` of this job reads: its group's, then its own."""
+        return self.replica_group[0] * self.dp_size + dp_rank
+
     @property
     def token_shards(self) -> int:
         """The parts a global batch's tokens are split into (data-parallel ranks x sequence splits)."""

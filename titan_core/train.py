@@ -171,9 +171,8 @@ class Trainer:
                  rank, plan.world_size, device, dict(plan.mesh_shape) or "none", len(model_parts), local_params / 1e6)
         self.step = build_training_step(hooks, mesh, config, model_parts, device, tokenizer.bos_id)
         dp_rank = mesh.local_rank(*plan.data_parallel_dims)
-        group, _ = plan.replica_group  # every replica group validates on all the validation rows
-        loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer,
-                             dp_rank=group * plan.dp_size + dp_rank, dp_size=plan.data_shards)
+        loader = hooks.first("build_dataloader", config=config, tokenizer=tokenizer,  # validation: in-group ranks
+                             dp_rank=plan.data_shard(dp_rank), dp_size=plan.data_shards)
         dataloader = Prefetcher(loader, config.data.prefetch, pin=device.type == "cuda")
         self.state = TrainState(model_parts, self.step.optimizer, self.step.lr_scheduler, dataloader,
                                 plugins=hooks.registry.stateful())
