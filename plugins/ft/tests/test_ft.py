@@ -221,6 +221,28 @@ def test_a_group_that_loses_a_rank_restarts_by_itself_and_recovers_from_its_peer
 
 
 @pytest.mark.slow
+def test_a_killed_group_of_fsdp_with_checkpoints_resumes_its_own_then_takes_the_live_state(lighthouse, paced, tmp_path):
+    """ft x fsdp 2 x checkpoint (every 2 steps): group 1 killed at step 5 and started again by the same command
+    resumes its own step-4 checkpoint, finds itself behind group 0 at its first quorum and takes the live state
+    instead; both end equal, and group 1's checkpoints go on from the step it joined at."""
+    overrides = groups_of(lighthouse(1), "ft,fsdp,checkpoint,paced", "plugins.fsdp.degree=2", "training.steps=30",
+                          "plugins.checkpoint.interval=2")
+    first, second = (Group([*overrides, f"plugins.ft.replica_group={index}"], tmp_path / f"group{index}", paced)
+                     for index in (0, 1))
+    second.wait_for(lambda: (tmp_path / "group1" / "checkpoints" / "step-4").is_dir(), "group 1's step-4 checkpoint")
+    second.signal(signal.SIGKILL)
+    first.wait_for(lambda: any(m["ft_groups"] == 1.0 for m in first.result.metrics[4:]), "group 0 alone")
+    again = Group([*overrides, "plugins.ft.replica_group=1"], tmp_path / "group1", paced)
+    first, again = first.finish(), again.finish()
+    assert "checkpoints/step-4: continuing after step 4" in (tmp_path / "group1" / "logs" / "rank0.log").read_text()
+    # Its log keeps the steps its checkpoint holds, then the ones it trained once it joined.
+    steps = [m["step"] for m in again.metrics]
+    assert steps[:4] == [1, 2, 3, 4] and steps[4] > 6 and steps[4:] == list(range(steps[4], 31)), steps
+    assert_together(first, again)
+    assert (tmp_path / "group1" / "checkpoints" / "step-30").is_dir()
+
+
+@pytest.mark.slow
 def test_the_groups_go_through_submitit_as_a_sweep_over_the_group_index(lighthouse, titan_reference, tmp_path):
     """docs/plugins/ft.md's SLURM recipe, on submitit's local executor: one submitted job per group, which meet at
     the lighthouse and train as one process."""
