@@ -1,17 +1,20 @@
 """The Llama model: published shapes, RoPE 3.1 scaling against Hugging Face's, init and FLOPs."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from titan_core import document_ids
+from titan_checkpoint.hf import load_hf_slices
+from titan_core import ConfigError, document_ids
 from titan_core.testing import init_weights
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
-from titan_llama3.plugin import llama_args, describe
+from titan_llama3.plugin import describe, llama_args, options_from_hf
 
-CONF = __import__("pathlib").Path(__file__).resolve().parents[1] / "titan_llama3" / "conf" / "model"
+CONF = Path(__file__).resolve().parents[1] / "titan_llama3" / "conf" / "model"
 
 
 def published(name: str) -> LlamaArgs:
@@ -115,3 +118,88 @@ def test_block_causal_attention_equals_each_document_alone():
             start += len(document)
         torch.testing.assert_close(masked[:, :6], model(packed[:, :6]), rtol=0, atol=2e-5)
     assert (masked - causal).abs().max() > 1e-2  # without the mask later documents see earlier ones
+
+
+# A Llama config.json setting every key this family reads, each (but the computed ones) off transformers' default,
+# with Llama 3.1's RoPE scaling.
+HF_BASE = {"model_type": "llama", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "vocab_size": 300, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+           "tie_word_embeddings": False,
+           "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 4.0, "low_freq_factor": 1.5,
+                               "high_freq_factor": 3.0, "original_max_position_embeddings": 16}}
+ABSENT = "absent"  # a case's value for a key it leaves out of the file
+TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+UNSCALED = {"rope_type": "default", "rope_theta": 5e5}
+SCALED = HF_BASE["rope_parameters"]
+
+
+def transformers_folder(config: dict, folder: Path) -> Path:
+    """A folder whose config.json is ``config`` word for word, with the weights of transformers' model of it: norms
+    off 1, the rest at their fan-in's scale (logits of one scale whatever width a left-out key gives)."""
+    transformers = pytest.importorskip("transformers")
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.rand(param.shape, generator=generator) + 0.5 if "norm" in name
+                        else torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(config))  # save_pretrained wrote every key out
+    return folder
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"hidden_size": ABSENT, "num_hidden_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 1,
+         "head_dim": ABSENT},
+    {"intermediate_size": ABSENT}, {"num_hidden_layers": ABSENT},
+    {"num_attention_heads": ABSENT, "hidden_size": 512, "head_dim": ABSENT},
+    {"num_key_value_heads": ABSENT}, {"num_key_value_heads": None}, {"head_dim": ABSENT}, {"head_dim": None},
+    {"vocab_size": ABSENT}, {"rms_norm_eps": ABSENT}, {"max_position_embeddings": ABSENT},
+    {"tie_word_embeddings": True},
+    {"rope_parameters": {k: v for k, v in SCALED.items() if k != "original_max_position_embeddings"}},
+    {"rope_parameters": {k: v for k, v in SCALED.items() if k != "original_max_position_embeddings"},
+     "max_position_embeddings": ABSENT},
+    {"rope_parameters": {k: v for k, v in SCALED.items() if k != "rope_theta"}},
+    {"rope_parameters": {k: v for k, v in SCALED.items() if k != "rope_theta"}, "rope_theta": 2e4},
+    {"rope_parameters": ABSENT}, {"rope_parameters": ABSENT, "rope_theta": 2e4},
+    {"rope_parameters": ABSENT, "rope_theta": 2e4,  # transformers 4's names, and the old key of the type
+     "rope_scaling": {"type": "llama3", **{k: v for k, v in SCALED.items() if k not in ("rope_type", "rope_theta")}}},
+    {"rope_parameters": UNSCALED, "rope_scaling": {k: v for k, v in SCALED.items() if k != "rope_theta"}},
+], ids=lambda changes: "-".join(f"{key}={value}" for key, value in changes.items()) or "all-set")
+def test_a_config_json_is_read_as_transformers_reads_it(tmp_path, changes):
+    """Each key left out (or null) defaults as transformers' LlamaConfig defaults it, and each set is honoured
+    (transformers 4's rope_scaling over 5's rope_parameters): the file was once refused for a left-out size, norm
+    epsilon or RoPE base, or read with Llama 3.1's original context (8192) for a left-out one."""
+    transformers = pytest.importorskip("transformers")
+    config = {key: value for key, value in {**HF_BASE, **changes}.items() if value != ABSENT}
+    with torch.random.fork_rng():  # building both models draws from torch's global generator: leave it as found
+        folder = transformers_folder(config, tmp_path / "hf")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        ours = Transformer(llama_args(options_from_hf(json.loads((folder / "config.json").read_text())), 300, 32))
+    load_hf_slices([ours], folder, describe(ours.args).hf)
+    exported = describe(ours.args).hf.config
+    compared = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+    assert {key: exported[key] for key in compared} == {key: getattr(hf.config, key) for key in compared}
+    rope = ("rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings")
+    assert {key: exported["rope_parameters"].get(key) for key in rope} == {key: hf.config.rope_parameters.get(key)
+                                                                           for key in rope}
+    with torch.no_grad():
+        expected = hf.eval()(TOKENS).logits
+        diff = (ours(TOKENS) - expected).abs().max().item()
+    print(f"max logit diff against transformers {diff:.1e} (logits' scale {expected.abs().max():.1f})")
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor"])
+def test_a_llama3_rope_without_a_key_transformers_requires_is_refused_in_one_line(key):
+    """transformers refuses to build such a file; it was once read with Llama 3.1's values."""
+    rope = {k: v for k, v in SCALED.items() if k != key}
+    with pytest.raises(ConfigError) as error:
+        options_from_hf({**HF_BASE, "rope_parameters": rope})
+    assert error.value.field == "model.path"
+    assert f"config.json's llama3 RoPE lacks {key}, which transformers requires too" in str(error.value)

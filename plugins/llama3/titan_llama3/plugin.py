@@ -86,30 +86,65 @@ def hf_config(args: LlamaArgs) -> dict:
     }
 
 
+# What transformers' LlamaConfig takes for a key a config.json leaves out (num_key_value_heads and head_dim, absent or
+# null: from the heads; RoPE: hf_rope).
+HF_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "vocab_size": 32000, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor")  # transformers requires each of a llama3 RoPE
+
+
+def hf_rope(config: dict) -> dict:
+    """The RoPE parameters transformers reads from a config.json: transformers 4's rope_scaling, else 5's
+    rope_parameters (rope_scaling wins when both are set); rope_theta from them, else the file's top-level
+    rope_theta, else 10000; the type from rope_type, else type, else default."""
+    rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def hf_values(config: dict) -> dict:
+    """``config`` with transformers' default for each key of HF_DEFAULTS it leaves out; a null one is refused, as
+    transformers refuses it."""
+    null = next((key for key in HF_DEFAULTS if key in config and config[key] is None), None)
+    if null is not None:
+        raise ConfigError("model.path", f"config.json sets {null}=null, which transformers' LlamaConfig refuses too",
+                          f"set {null} or leave it out (then {HF_DEFAULTS[null]})")
+    return {**HF_DEFAULTS, **config}
+
+
+def scaling_options(rope: dict, max_position_embeddings: int) -> dict:
+    """A llama3 RoPE's options: factor and the two frequency factors required, as transformers requires them; the
+    original context transformers' default, the file's max_position_embeddings."""
+    missing = [key for key in LLAMA3_SCALING if rope.get(key) is None]
+    if missing:
+        raise ConfigError("model.path", f"config.json's llama3 RoPE lacks {missing[0]}, which transformers requires "
+                          "too", f"set rope_parameters.{missing[0]} as the model was trained")
+    return {"rope_scaling_factor": rope["factor"], "rope_low_freq_factor": rope["low_freq_factor"],
+            "rope_high_freq_factor": rope["high_freq_factor"],
+            "rope_original_max_positions": rope.get("original_max_position_embeddings") or max_position_embeddings}
+
+
 def options_from_hf(config: dict) -> dict:
-    """``model.*`` options reproducing a Hugging Face Llama config."""
+    """``model.*`` options reproducing a Hugging Face Llama config, each key it leaves out taken as transformers'
+    LlamaConfig takes it."""
     if config.get("model_type") != "llama":
         raise ConfigError("model.name", f"config.json is model_type '{config.get('model_type')}', not llama",
                           "import it with the model plugin of its family")
-    rope = config.get("rope_parameters") or {**(config.get("rope_scaling") or {}),
-                                             "rope_theta": config.get("rope_theta", 10000.0)}
-    check_hf_config({**config, "rope_type": rope.get("rope_type", rope.get("type", "default"))}, "Llama 3",
+    config, rope = hf_values(config), hf_rope(config)
+    heads = config["num_attention_heads"]
+    check_hf_config({**config, "rope_type": rope["rope_type"]}, "Llama 3",
                     hidden_act=("silu",), attention_bias=(False,), mlp_bias=(False,), rope_type=("default", "llama3"),
-                    head_dim=(config["hidden_size"] // config["num_attention_heads"],))
-    scaled = rope.get("rope_type", rope.get("type")) == "llama3"
+                    head_dim=(None, config["hidden_size"] // heads))
     intermediate = config["intermediate_size"]
+    scaling = scaling_options(rope, config["max_position_embeddings"]) if rope["rope_type"] == "llama3" else {}
     return {
         "name": FAMILY, "dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
-        "n_heads": config["num_attention_heads"], "n_kv_heads": config.get("num_key_value_heads"),
-        "vocab_size": config["vocab_size"],
+        "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads"), "vocab_size": config["vocab_size"],
         # One multiple equal to the hidden size itself reproduces it exactly whatever rounding made it.
         "multiple_of": intermediate, "ffn_dim_multiplier": intermediate / int(2 * 4 * config["hidden_size"] / 3),
-        "norm_eps": config["rms_norm_eps"], "rope_theta": rope["rope_theta"],
-        "rope_scaling_factor": rope["factor"] if scaled else None,
-        "rope_low_freq_factor": rope.get("low_freq_factor", 1.0),
-        "rope_high_freq_factor": rope.get("high_freq_factor", 4.0),
-        "rope_original_max_positions": rope.get("original_max_position_embeddings", 8192),
-        "max_position_embeddings": config.get("max_position_embeddings"),
+        "norm_eps": config["rms_norm_eps"], "rope_theta": rope["rope_theta"], "rope_scaling_factor": None,
+        **scaling, "max_position_embeddings": config["max_position_embeddings"],
     }
 
 

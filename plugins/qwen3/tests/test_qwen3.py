@@ -1,5 +1,5 @@
-"""Qwen3: published sizes, transformers reads our export with equal logits, import gives the model back,
-and the conformance kit."""
+"""Qwen3: published sizes, transformers reads our export with equal logits, import gives the model back, a
+config.json leaving keys out is read as transformers reads it, and the conformance kit."""
 
 import json
 from pathlib import Path
@@ -9,10 +9,11 @@ import torch
 from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import export_hf, import_hf
+from titan_core import ConfigError
 from titan_core.testing import init_weights
 from titan_core.testing import TINY, model_conformance, run_job
 from titan_qwen3.model import Qwen3
-from titan_qwen3.plugin import describe, qwen3_args
+from titan_qwen3.plugin import describe, options_from_hf, qwen3_args
 
 CONF = Path(__file__).resolve().parents[1] / "titan_qwen3" / "conf" / "model"
 LOGIT_TOLERANCE = 1e-5
@@ -69,3 +70,46 @@ def test_bfloat16_autocast_on_the_cpu_trains_without_torchs_norm_warning(tmp_pat
                      tmp_path / "run")
     assert "step 2/2" in result.stdout + result.stderr
     assert "Warning" not in result.stdout + result.stderr, result.stderr
+
+
+# A Qwen3 config.json setting every key this family reads, each (but the computed ones) off transformers' default.
+HF_BASE = {"model_type": "qwen3", "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+           "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 96, "vocab_size": 300, "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 64, "tie_word_embeddings": False,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+ABSENT = "absent"  # a case's value for a key it leaves out of the file
+COMPARED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")  # and head_dim, RoPE
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"hidden_size": ABSENT}, {"num_hidden_layers": ABSENT}, {"num_attention_heads": ABSENT},
+    {"num_key_value_heads": ABSENT, "num_attention_heads": 64}, {"num_key_value_heads": None}, {"head_dim": ABSENT},
+    {"intermediate_size": ABSENT}, {"vocab_size": ABSENT}, {"rms_norm_eps": ABSENT},
+    {"max_position_embeddings": ABSENT}, {"tie_word_embeddings": True}, {"rope_parameters": ABSENT},
+    {"rope_parameters": {"rope_type": "default"}},
+    {"rope_parameters": {"rope_type": "default"}, "rope_theta": 2e4}, {"rope_parameters": ABSENT, "rope_theta": 2e4},
+], ids=lambda changes: "-".join(f"{key}={value}" for key, value in changes.items()) or "all-set")
+def test_a_config_json_is_read_as_transformers_reads_it(read_as_transformers, changes):
+    """Each key left out (or null) defaults as transformers' Qwen3Config defaults it, and each set is honoured: the file
+    was once read with the options' defaults for left-out keys (rope_theta 1e6, num_key_value_heads 8, 36 layers, the
+    tokenizer's vocabulary, a null number of key-value heads)."""
+    config = {key: value for key, value in {**HF_BASE, **changes}.items() if value != ABSENT}
+    read_as_transformers(config, COMPARED, lambda options: Qwen3(qwen3_args(options, vocab_size=300, seq_len=32)),
+                         options_from_hf, describe)
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"head_dim": None}, "config.json sets head_dim=null, which transformers' qwen3 config refuses too"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     "config.json sets rope_type='yarn', which qwen3 does not compute"),
+    ({"rope_parameters": {"type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+     "config.json sets rope_type='linear', which qwen3 does not compute"),
+])
+def test_a_config_json_qwen3_does_not_compute_is_refused_in_one_line(changes, said):
+    """A null transformers refuses too, and a RoPE scaling under either name or its old key ``type`` (the file was
+    once read as unscaled)."""
+    with pytest.raises(ConfigError) as error:
+        options_from_hf({**HF_BASE, **changes})
+    assert error.value.field == "model.path" and said in str(error.value)

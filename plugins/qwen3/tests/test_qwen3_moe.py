@@ -17,9 +17,9 @@ from titan_checkpoint.hf import export_hf, import_hf
 from titan_core.testing import init_weights
 from titan_core.testing import LOSS_TOL, PARAM_TOL, TINY, compare, config_error, error_line, merged, \
     model_conformance, run_job
-from titan_core import ExpertRouting, MoE
+from titan_core import ConfigError, ExpertRouting, MoE
 from titan_qwen3.moe import Qwen3Moe
-from titan_qwen3.moe_plugin import describe, qwen3_moe_args
+from titan_qwen3.moe_plugin import describe, options_from_hf, qwen3_moe_args
 
 CONF = Path(__file__).resolve().parents[1] / "titan_qwen3" / "conf" / "model"
 TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -248,6 +248,49 @@ def test_transformers_reads_the_export_with_equal_logits_and_import_gives_it_bac
     rebuilt.load_state_dict(weights)
     with torch.no_grad():
         assert torch.equal(rebuilt(TOKENS), expected)
+
+
+# A Qwen3-MoE config.json setting every key this family reads, each (but the computed ones) off transformers' default:
+# blocks 1 and 3 of every second would have experts, but 3 is dense (mlp_only_layers).
+HF_BASE = {"model_type": "qwen3_moe", "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+           "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "intermediate_size": 96, "vocab_size": 300, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+           "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+           "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+           "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+ABSENT = "absent"  # a case's value for a key it leaves out of the file
+COMPARED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+            "mlp_only_layers")  # and head_dim, RoPE
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"hidden_size": ABSENT}, {"num_hidden_layers": ABSENT}, {"num_attention_heads": ABSENT},
+    {"num_key_value_heads": ABSENT}, {"head_dim": ABSENT}, {"intermediate_size": ABSENT}, {"vocab_size": ABSENT},
+    {"rms_norm_eps": ABSENT}, {"max_position_embeddings": ABSENT}, {"tie_word_embeddings": True},
+    {"rope_parameters": ABSENT}, {"rope_parameters": {"rope_type": "default"}, "rope_theta": 2e4},
+    {"num_local_experts": ABSENT}, {"num_local_experts": ABSENT, "num_experts": 6}, {"num_experts": 4},
+    {"num_experts_per_tok": ABSENT}, {"moe_intermediate_size": ABSENT}, {"norm_topk_prob": ABSENT},
+    {"decoder_sparse_step": ABSENT}, {"mlp_only_layers": ABSENT}, {"mlp_only_layers": None},
+], ids=lambda changes: "-".join(f"{key}={value}" for key, value in changes.items()) or "all-set")
+def test_a_config_json_is_read_as_transformers_reads_it(read_as_transformers, changes):
+    """Each key left out (or mlp_only_layers null) defaults as transformers' Qwen3MoeConfig defaults it, and each set
+    is honoured (transformers 5's num_local_experts over 4's num_experts): the file was once read with the options'
+    defaults for left-out keys (rope_theta 1e6, head_dim 128, num_key_value_heads 8, 36 layers, the tokenizer's
+    vocabulary)."""
+    config = {key: value for key, value in {**HF_BASE, **changes}.items() if value != ABSENT}
+    read_as_transformers(config, COMPARED,
+                         lambda options: Qwen3Moe(qwen3_moe_args(options, vocab_size=300, seq_len=32)),
+                         options_from_hf, describe)
+
+
+@pytest.mark.parametrize("key", ["num_key_value_heads", "head_dim"])
+def test_a_null_transformers_refuses_is_refused_in_one_line(key):
+    with pytest.raises(ConfigError) as error:
+        options_from_hf({**HF_BASE, key: None})
+    assert error.value.field == "model.path"
+    assert f"config.json sets {key}=null, which transformers' qwen3_moe config refuses too" in str(error.value)
 
 
 def per_expert_folder(model, folder: Path) -> Path:

@@ -79,15 +79,24 @@ def from_hf(name: str) -> str | None:
     return None if PER_EXPERT.search(name) else qwen3.from_hf(name)
 
 
+# What transformers' Qwen3MoeConfig takes for a key a config.json leaves out (head_dim: hidden_size over the heads,
+# its attention's rule; RoPE: Qwen3's hf_rope). A file's other keys are not read: router_aux_loss_coef (transformers
+# adds the balancing loss only with output_router_logits: training's choice, not the file's), DeepSeek-V3's routing.
+HF_DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+               "intermediate_size": 6144, "vocab_size": 151936, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+               "max_position_embeddings": 32768, "num_experts": 128, "num_experts_per_tok": 8,
+               "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 def options_from_hf(config: dict) -> dict:
-    """``model.*`` options reproducing a Hugging Face Qwen3-MoE config (older files say num_local_experts)."""
-    options = qwen3.options_from_hf(config, OPTIONS, FAMILY)
-    if "num_experts" not in config and "num_local_experts" in config:
-        options["num_experts"] = config["num_local_experts"]
-    options["norm_topk_prob"] = config.get("norm_topk_prob", False)  # transformers' default when unset
-    # transformers adds the load-balancing loss only with output_router_logits: training's choice, not the file's.
-    options.pop("router_aux_loss_coef", None)
-    return options
+    """``model.*`` options reproducing a Hugging Face Qwen3-MoE config, each key it leaves out taken as transformers'
+    Qwen3MoeConfig takes it (transformers 5 writes num_local_experts, which wins over 4's num_experts)."""
+    config = {**config, "mlp_only_layers": config.get("mlp_only_layers") or []}  # null: none, as transformers reads it
+    if "num_local_experts" in config:
+        config["num_experts"] = config["num_local_experts"]
+    options = qwen3.family_options_from_hf(config, HF_DEFAULTS, FAMILY)
+    head_dim = options["hidden_size"] // options["num_attention_heads"]
+    return options | qwen3.hf_values(config, {"head_dim": head_dim}, FAMILY)
 
 
 def describe(args: Qwen3MoeArgs) -> ModelDescription:

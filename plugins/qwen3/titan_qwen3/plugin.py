@@ -63,13 +63,49 @@ def hf_config(args: Qwen3Args, options=OPTIONS, architecture: str = "Qwen3ForCau
             "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
 
 
-def options_from_hf(config: dict, options=OPTIONS, family: str = FAMILY) -> dict:
-    """``model.*`` options reproducing a Hugging Face Qwen3 config."""
-    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1000000.0)}
-    check_hf_config({**config, "rope_type": rope.get("rope_type", "default")}, family, hidden_act=("silu",),
+# What transformers' Qwen3Config takes for a key a config.json leaves out (num_key_value_heads null: the heads; RoPE:
+# hf_rope). A file's other keys are not Qwen3's options.
+HF_DEFAULTS = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+               "head_dim": 128, "intermediate_size": 22016, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": False, "max_position_embeddings": 32768}
+
+
+def hf_rope(config: dict) -> dict:
+    """The RoPE parameters transformers reads from a config.json: transformers 4's rope_scaling, else 5's
+    rope_parameters (rope_scaling wins when both are set); rope_theta from them, else the file's top-level
+    rope_theta, else 10000; the type from rope_type, else type, else default."""
+    rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def hf_values(config: dict, defaults: dict, family: str) -> dict:
+    """The value of each key of ``defaults`` in ``config``, transformers' default when it is left out; a null one is
+    refused, as transformers' config class refuses it."""
+    null = next((key for key in defaults if key in config and config[key] is None), None)
+    if null is not None:
+        raise ConfigError("model.path", f"config.json sets {null}=null, which transformers' {family} config refuses "
+                          "too", f"set {null} or leave it out (then {defaults[null]})")
+    return {key: config.get(key, default) for key, default in defaults.items()}
+
+
+def family_options_from_hf(config: dict, defaults: dict, family: str) -> dict:
+    """``model.*`` options reproducing a Hugging Face config of the Qwen3 family, each key of ``defaults`` it leaves
+    out taken as transformers' config class takes it (``defaults``: that class's)."""
+    rope = hf_rope(config)
+    check_hf_config({**config, "rope_type": rope["rope_type"]}, family, hidden_act=("silu",),
                     attention_bias=(False,), use_sliding_window=(False,), rope_type=("default",))
-    values = {name: config[name] for name in options if name in config}
-    return {"name": family, **values, "rope_theta": rope["rope_theta"]}
+    return {"name": family, **hf_values(config, defaults, family), "rope_theta": rope["rope_theta"]}
+
+
+def options_from_hf(config: dict) -> dict:
+    """``model.*`` options reproducing a Hugging Face Qwen3 config (num_key_value_heads null: as many as the heads,
+    as Qwen3Config reads it)."""
+    if "num_key_value_heads" in config and config["num_key_value_heads"] is None:
+        heads = config.get("num_attention_heads", HF_DEFAULTS["num_attention_heads"])
+        config = {**config, "num_key_value_heads": heads}
+    return family_options_from_hf(config, HF_DEFAULTS, FAMILY)
 
 
 def to_hf(name: str) -> str:
