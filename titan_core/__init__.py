@@ -9,7 +9,7 @@ harness, conformance kit, throwaway plugins, a model built and initialized in on
     the plan          Declaration, MeshDimension, Plan, PlannedPlugin, the mesh dimension names, rest_of
     capabilities      PIPELINE, TENSOR_PARALLEL, ... (titan_core.capabilities)
     the model         ModelDescription and its parts, attribute/replace, read_options, lacks, canonical_name,
-                      check_hf_config
+                      check_hf_config, hf_rope_parameters
     attention seam    causal_attention, masked_attention, attention_mask, shared_mask, route_masked_attention,
                       document_ids, grouped
     positions         rope_frequencies, yarn_frequencies, yarn_mscale
@@ -42,7 +42,7 @@ from titan_core.errors import EXIT_BAD_INPUT, EXIT_STORAGE, ConfigError, Storage
 from titan_core.narrow_gathers import GatherCasts, cast_gathers, gather_casts, keep_precision
 from titan_core.peft import ADAPTER_FILES, PEFT_PREFIX, peft_updates, uncomputed_field
 from titan_core.hookspecs import hookimpl, hookspec
-from titan_core.huggingface import HFAdapter, StoredLayout, check_hf_config
+from titan_core.huggingface import HFAdapter, StoredLayout, check_hf_config, hf_rope_parameters
 from titan_core.initialization import local_box
 from titan_core.library_logs import TORCHAO_LOGGERS, library_logs_at_debug
 from titan_core.job.model_folder import folder_config
@@ -70,7 +70,8 @@ __all__ = [
     "PARTIAL_DATA_PARALLEL", "PIPELINE", "SPLIT_BACKWARD", "TENSOR_PARALLEL",
     # the model
     "ModelDescription", "ParamInit", "TensorParallelLayout", "ExpertsLayout", "HFAdapter", "StoredLayout", "CORE_ATTENTION",
-    "SDPA_CAUSAL", "attribute", "replace", "read_options", "lacks", "canonical_name", "check_hf_config", "GatedMLP",
+    "SDPA_CAUSAL", "attribute", "replace", "read_options", "lacks", "canonical_name", "check_hf_config", "hf_rope_parameters",
+    "GatedMLP",
     # mixture-of-experts building blocks
     "rope_frequencies", "yarn_frequencies", "yarn_mscale", "MoE", "MoeOptions", "SwiGLU", "check_moe_options",
     "ExpertRouting", "init_routing_buffers",

@@ -79,6 +79,16 @@ class HFAdapter:
     stored: Callable[[str], StoredLayout | None] = lambda name: None
 
 
+def hf_rope_parameters(hf_config: Mapping[str, Any]) -> dict:
+    """The RoPE parameters transformers reads from a config.json: transformers 4's ``rope_scaling``, else 5's
+    ``rope_parameters`` (``rope_scaling`` wins when both are set); ``rope_theta`` from them, else the file's top-level
+    one, else 10000; the type from ``rope_type``, else ``type``, else default."""
+    rope = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
 def check_hf_config(hf_config: Mapping[str, Any], family: str, **computed: tuple) -> None:
     """Refuse a Hugging Face config.json that sets a field to a value the family's model does not compute
     (``computed``: each field's values it does; an absent field is transformers' default and passes), rather

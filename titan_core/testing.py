@@ -152,6 +152,24 @@ def built_model(*overrides: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def transformers_folder(hf_config: dict, folder: Path) -> Path:
+    """A Hugging Face folder whose config.json is ``hf_config`` word for word (keys it leaves out stay out), with the
+    weights of transformers' model of it: norms in [0.5, 1.5], the rest N(0, 1/fan-in), from seed 0, so that logits
+    keep one scale whatever width a left-out key gives."""
+    transformers = pytest.importorskip("transformers")
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.rand(param.shape, generator=generator) + 0.5 if "norm" in name
+                        else torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(hf_config))  # save_pretrained wrote every key out
+    return folder
+
+
 def write_hf_folder(model: torch.nn.Module, folder: Path) -> Path:
     """Save a transformers model as a Hugging Face folder with the shipped tokenizer, after drawing its weights
     large enough that a misplaced one shows in the logits (transformers' own initialization leaves them near

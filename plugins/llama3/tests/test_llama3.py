@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from titan_checkpoint.hf import load_hf_slices
 from titan_core import ConfigError, document_ids
-from titan_core.testing import init_weights
+from titan_core.testing import init_weights, transformers_folder
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 from titan_llama3.plugin import describe, llama_args, options_from_hf
 
@@ -132,23 +132,6 @@ ABSENT = "absent"  # a case's value for a key it leaves out of the file
 TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
 UNSCALED = {"rope_type": "default", "rope_theta": 5e5}
 SCALED = HF_BASE["rope_parameters"]
-
-
-def transformers_folder(config: dict, folder: Path) -> Path:
-    """A folder whose config.json is ``config`` word for word, with the weights of transformers' model of it: norms
-    off 1, the rest at their fan-in's scale (logits of one scale whatever width a left-out key gives)."""
-    transformers = pytest.importorskip("transformers")
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(torch.rand(param.shape, generator=generator) + 0.5 if "norm" in name
-                        else torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
-    model.save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps(config))  # save_pretrained wrote every key out
-    return folder
 
 
 @pytest.mark.parametrize("changes", [

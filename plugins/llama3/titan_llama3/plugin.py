@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from titan_core import (CORE_ATTENTION, ConfigError, GatedMLP, HFAdapter, ModelDescription, ParamInit,
-                        TensorParallelLayout, check_hf_config, check_positive, hookimpl, read_options)
+                        TensorParallelLayout, check_hf_config, check_positive, hf_rope_parameters, hookimpl, read_options)
 from titan_llama3.model import LlamaArgs, Transformer, rope_frequencies
 
 FAMILY = "llama3"
@@ -87,20 +87,10 @@ def hf_config(args: LlamaArgs) -> dict:
 
 
 # What transformers' LlamaConfig takes for a key a config.json leaves out (num_key_value_heads and head_dim, absent or
-# null: from the heads; RoPE: hf_rope).
+# null: from the heads; RoPE: hf_rope_parameters).
 HF_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
                "vocab_size": 32000, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor")  # transformers requires each of a llama3 RoPE
-
-
-def hf_rope(config: dict) -> dict:
-    """The RoPE parameters transformers reads from a config.json: transformers 4's rope_scaling, else 5's
-    rope_parameters (rope_scaling wins when both are set); rope_theta from them, else the file's top-level
-    rope_theta, else 10000; the type from rope_type, else type, else default."""
-    rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    return rope
 
 
 def hf_values(config: dict) -> dict:
@@ -131,7 +121,7 @@ def options_from_hf(config: dict) -> dict:
     if config.get("model_type") != "llama":
         raise ConfigError("model.name", f"config.json is model_type '{config.get('model_type')}', not llama",
                           "import it with the model plugin of its family")
-    config, rope = hf_values(config), hf_rope(config)
+    config, rope = hf_values(config), hf_rope_parameters(config)
     heads = config["num_attention_heads"]
     check_hf_config({**config, "rope_type": rope["rope_type"]}, "Llama 3",
                     hidden_act=("silu",), attention_bias=(False,), mlp_bias=(False,), rope_type=("default", "llama3"),

@@ -2,32 +2,15 @@
 our model of it against transformers'."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from titan_checkpoint.hf import load_hf_slices
+from titan_core.testing import transformers_folder
 
 TOKENS = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
 ROPE_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings")
-
-
-def transformers_folder(config: dict, folder: Path) -> Path:
-    """A folder whose config.json is ``config`` word for word, with the weights of transformers' model of it: norms
-    off 1, the rest at their fan-in's scale (logits of one scale whatever width a left-out key gives)."""
-    transformers = pytest.importorskip("transformers")
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(torch.rand(param.shape, generator=generator) + 0.5 if "norm" in name
-                        else torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
-    model.save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps(config))  # save_pretrained wrote every key out
-    return folder
 
 
 @pytest.fixture

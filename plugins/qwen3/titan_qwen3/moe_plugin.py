@@ -80,7 +80,7 @@ def from_hf(name: str) -> str | None:
 
 
 # What transformers' Qwen3MoeConfig takes for a key a config.json leaves out (head_dim: hidden_size over the heads,
-# its attention's rule; RoPE: Qwen3's hf_rope). A file's other keys are not read: router_aux_loss_coef (transformers
+# its attention's rule; RoPE: hf_rope_parameters). A file's other keys are not read: router_aux_loss_coef (transformers
 # adds the balancing loss only with output_router_logits: training's choice, not the file's), DeepSeek-V3's routing.
 HF_DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
                "intermediate_size": 6144, "vocab_size": 151936, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,

@@ -6,7 +6,7 @@ import math
 from dataclasses import fields
 
 from titan_core import (CORE_ATTENTION, ConfigError, HFAdapter, ModelDescription, ParamInit, SwiGLU,
-                        TensorParallelLayout, check_hf_config, check_positive, hookimpl, read_options)
+                        TensorParallelLayout, check_hf_config, check_positive, hf_rope_parameters, hookimpl, read_options)
 from titan_qwen3.model import Qwen3, Qwen3Args, rope_table
 
 FAMILY = "qwen3"
@@ -70,16 +70,6 @@ HF_DEFAULTS = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_head
                "tie_word_embeddings": False, "max_position_embeddings": 32768}
 
 
-def hf_rope(config: dict) -> dict:
-    """The RoPE parameters transformers reads from a config.json: transformers 4's rope_scaling, else 5's
-    rope_parameters (rope_scaling wins when both are set); rope_theta from them, else the file's top-level
-    rope_theta, else 10000; the type from rope_type, else type, else default."""
-    rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    return rope
-
-
 def hf_values(config: dict, defaults: dict, family: str) -> dict:
     """The value of each key of ``defaults`` in ``config``, transformers' default when it is left out; a null one is
     refused, as transformers' config class refuses it."""
@@ -93,7 +83,7 @@ def hf_values(config: dict, defaults: dict, family: str) -> dict:
 def family_options_from_hf(config: dict, defaults: dict, family: str) -> dict:
     """``model.*`` options reproducing a Hugging Face config of the Qwen3 family, each key of ``defaults`` it leaves
     out taken as transformers' config class takes it (``defaults``: that class's)."""
-    rope = hf_rope(config)
+    rope = hf_rope_parameters(config)
     check_hf_config({**config, "rope_type": rope["rope_type"]}, family, hidden_act=("silu",),
                     attention_bias=(False,), use_sliding_window=(False,), rope_type=("default",))
     return {"name": family, **hf_values(config, defaults, family), "rope_theta": rope["rope_theta"]}
