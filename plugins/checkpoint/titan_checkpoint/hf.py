@@ -36,7 +36,7 @@ def export_hf(weights: dict[str, torch.Tensor], adapter: HFAdapter, folder: Path
         if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > shard_bytes:
             shards.append({})
         shards[-1][name] = tensor
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for file, shard in zip(file_names(len(shards)), shards):
         save_file(shard, folder / file, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
@@ -65,8 +65,8 @@ def write_hf_index(folder: Path, weight_map: dict[str, str], total_bytes: int, a
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     special = special_tokens(tokenizer) if tokenizer is not None else {}
     ids = {key: value for key, value in special.items() if key.endswith("_id")}
-    if tokenizer is not None and tokenizer_file(tokenizer) is not None:
-        shutil.copyfile(tokenizer_file(tokenizer), folder / "tokenizer.json")
+    if tokenizer is not None and (source := tokenizer_file(tokenizer)) is not None:
+        shutil.copyfile(source, folder / "tokenizer.json")
         # transformers' AutoTokenizer reads the special tokens from here; without them generate never stops.
         texts = {key: value for key, value in special.items() if not key.endswith("_id")}
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
@@ -101,7 +101,9 @@ def check_folder_model(folder: Path, description, config, field: str = FIELD) ->
     train them in another model without a word."""
     options = description.hf.options_from_hf(read_hf_config(folder, description.hf, field))
     start = OmegaConf.create({"model": options, "training": {"seq_len": config.training.seq_len}})
-    theirs = model_description(start, load_tokenizer(config.tokenizer).vocab_size).hf.config
+    folder_hf = model_description(start, load_tokenizer(config.tokenizer).vocab_size).hf
+    assert folder_hf is not None  # described by the job's model plugin, which describes its Hugging Face names
+    theirs = folder_hf.config
     ours = description.hf.config
     differing = sorted((key for key in theirs.keys() | ours.keys()
                         if key not in CONTEXT_FIELDS and theirs.get(key) != ours.get(key)),
@@ -219,6 +221,9 @@ def load_hf_slices(model_parts, folder: Path, adapter: HFAdapter, names: set[str
                 box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
                 if hf_name is None:  # stored in pieces: the file shapes were checked before
                     grid = stored_in_pieces(canonical_name(name), adapter, files)
+                    if grid is None:  # nor in pieces: a folder read unchecked (generate)
+                        raise ConfigError(FIELD, f"{folder} has no tensor {canonical_name(name)}",
+                                          "load a folder of the same model")
                     read += _load_pieces(local, box, grid, lambda piece: handles[files[piece]].get_slice(piece))
                     continue
                 layout = adapter.stored(canonical_name(name))

@@ -64,8 +64,8 @@ def validate_options(config, plugin_config, plan) -> None:
     if plugin_config.load_path is not None and not isinstance(plugin_config.load_path, str):
         raise ConfigError("plugins.checkpoint.load_path", f"{plugin_config.load_path!r} is not a path",
                           "set a folder path (quoted if it looks like a number), or null")
-    if start_path(config, plugin_config) is not None:
-        kind, path = checkpoint_to_load(start_path(config, plugin_config))
+    if (start := start_path(config, plugin_config)) is not None:
+        kind, path = checkpoint_to_load(start)
         expected = {f"model.{k}": tuple(v.shape) for k, v in build_meta_model(config, plan.model).state_dict().items()}
         if kind == "hf":
             if plan.model.hf is None:
@@ -136,7 +136,7 @@ class Checkpointer:
                                                    use_async_staging=False, use_non_blocking_copy=on_gpu))
         self.writer = (AsyncCheckpointerType.PROCESS if plugin_config.async_writer == "process" else
                        AsyncCheckpointerType.THREAD)
-        self.pending: Future | None = None
+        self.pending: tuple[Future, Path] | None = None  # the save in flight and the folder it writes
         self.saved_step: int | None = None
         self.base_folder: Path | None = None
         self.unsaved: frozenset[str] = frozenset()
@@ -149,7 +149,7 @@ class Checkpointer:
         if self.options.export_hf:
             check_exportable(model_tensors(state.model_parts), self.built, self.description)
         self.base_folder, self.unsaved = self.frozen_base(state.model_parts)
-        candidates = [None]
+        candidates: list[list[tuple[str, Path, tuple[str, ...]]] | None] = [None]
         if self.rank == 0:  # rank 0 lists them, so that every rank loads the same checkpoint
             if self.folder.is_dir():
                 recover(self.folder, self.deletions)
@@ -168,6 +168,7 @@ class Checkpointer:
             step = 0
         else:
             if self.unsaved:  # the frozen base this run's checkpoints leave to the folder it started from
+                assert self.base_folder is not None  # frozen_base leaves weights unsaved only with that folder
                 self.load_hf(state.model_parts, self.base_folder)
             step = load_training_state(state, path, parts, self.unsaved)
         log.info("loaded %s: continuing after step %d (%s)", path, step, ", ".join(parts) if kind == "dcp" else "weights")
@@ -193,7 +194,7 @@ class Checkpointer:
         for candidate in candidates:
             kind, path, _ = candidate
             mine = damaged_files(path, self.rank, dist.get_world_size()) if kind == "dcp" else []
-            found = [None] * dist.get_world_size()
+            found: list = [None] * dist.get_world_size()
             dist.all_gather_object(found, mine)
             damaged = [line for lines in found for line in lines]
             if not damaged:
@@ -241,12 +242,13 @@ class Checkpointer:
             if asynchronous:  # returns once the tensors are copied to memory; the writing goes on in a thread
                 upload = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group,
                                         async_stager=self.stager, async_checkpointer_type=self.writer)
-                self.pending = then(upload, lambda: self.seal(partial, complete))
-                self.pending.folder = partial
+                self.pending = then(upload, lambda: self.seal(partial, complete)), partial
             else:
                 dcp.save(tensors, checkpoint_id=str(partial))
                 self.seal(partial, complete)
-        self.saved_step = int(STEP_DIR.search(name).group(1))
+        numbered = STEP_DIR.search(name)
+        assert numbered is not None  # every save's folder is named after its step
+        self.saved_step = int(numbered.group(1))
         return complete
 
     @contextlib.contextmanager
@@ -320,8 +322,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Finish the save in flight, raising its error if it failed."""
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            with self.storage(pending.folder):
+            (pending, folder), self.pending = self.pending, None
+            with self.storage(folder):
                 pending.result()
 
     def close(self) -> None:
@@ -347,8 +349,8 @@ def storage_cause(error: BaseException) -> OSError | None:
         return OSError(errno.EIO, f"a file came out short, as on a full disk or past a file-size limit (torch: {words})")
     if isinstance(error, CheckpointException):
         return next((cause for failure, _ in error.failures.values() if (cause := storage_cause(failure))), None)
-    cause = error.__cause__ or error.__context__
-    return storage_cause(cause) if cause is not None and cause is not error else None
+    chained = error.__cause__ or error.__context__
+    return storage_cause(chained) if chained is not None and chained is not error else None
 
 
 def then(future: Future, action) -> Future:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
                         ParamInit, SwiGLU, TensorParallelLayout, check_hf_config, check_moe_options, check_positive,
@@ -83,7 +85,7 @@ def hf_config(args: DeepseekV3Args) -> dict:
             **values, "max_position_embeddings": args.max_position_embeddings or args.seq_len, "rope_parameters": rope}
 
 
-def options_from_hf(config: dict) -> dict:
+def options_from_hf(config: Mapping[str, Any]) -> dict:
     """``model.*`` options reproducing a Hugging Face DeepseekV3 config (transformers 5's rope_parameters or 4's
     rope_theta and rope_scaling)."""
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0),

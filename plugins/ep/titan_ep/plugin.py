@@ -79,7 +79,8 @@ def shard_by_expert(experts: nn.Module, ep_mesh) -> None:
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     experts.ep_group = ep_mesh.get_group()
-    experts.__class__ = _expert_parallel_class(type(experts))
+    # A class is hashable: mypy checks it against Hashable by its instances' __hash__ (python/mypy#11470).
+    experts.__class__ = _expert_parallel_class(type(experts))  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -106,8 +107,10 @@ class ExpertParallel:
         # No name holds a copy of the copies once the next is made (sorted as they arrive; the results put back
         # in arrival order, by source rank as each rank sent them): each is freed as soon as it is used.
         with local_parameters(self):
-            out = super().forward(all_to_all_single_autograd(tokens, receive_splits, send_splits, self.ep_group)[order],
-                                  received.sum(0))[order.argsort()]
+            # A mixin: forward is that of the experts class it is mixed into (made by _expert_parallel_class).
+            out = super().forward(  # type: ignore[misc]
+                all_to_all_single_autograd(tokens, receive_splits, send_splits, self.ep_group)[order],
+                received.sum(0))[order.argsort()]
         return all_to_all_single_autograd(out, send_splits, receive_splits, self.ep_group)
 
 

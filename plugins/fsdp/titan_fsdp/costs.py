@@ -150,9 +150,9 @@ def _reducing(plugin_config, reduce_bytes: int):
     """The bytes that the blocks being gathered and reduced hold while backward runs them, as a function of the
     estimate."""
     if plugin_config.reshard_after_forward == "never":
-        def reducing(e):  # the block before the one running backward has its gradients reduced
+        def reduced_only(e):  # the block before the one running backward has its gradients reduced
             return e.largest_block_gathered() * reduce_bytes
-        return reducing
+        return reduced_only
     in_flight = 1 + max(plugin_config.prefetch, 1)
 
     def reducing(e):  # the block running backward, those prefetched, the one before reduced

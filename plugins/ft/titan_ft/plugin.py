@@ -172,7 +172,8 @@ class CommittedSteps:
 def group_store() -> tuple[dist.TCPStore | None, str, int]:
     """A store for this group's manager, hosted by rank 0 and new with every start of the group (the launcher's
     store outlives a restart of the workers, and a restarted rank would read the dead manager's address there)."""
-    store, address = None, [None]
+    store: dist.TCPStore | None = None
+    address: list = [None]  # rank 0's (host, port), as the broadcast leaves it on every rank
     if dist.get_rank() == 0:
         store = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
         address = [(socket.gethostname(), store.port)]
@@ -296,6 +297,7 @@ class FaultTolerance:
     def peer_state(self) -> dict[str, Any]:
         """What a recovering group's same rank loads: this rank's shards of the whole training state."""
         state = self.state
+        assert state is not None  # torchft calls it only once wrap_optimizer has handed it the state
         return {"model": [localized(weights) for weights in self.weights],
                 "optimizer": localized(state.optimizer.state_dict()),
                 "lr_scheduler": state.lr_scheduler.state_dict(), "dataloader": state.dataloader.state_dict(),
@@ -305,6 +307,7 @@ class FaultTolerance:
     def load_peer_state(self, received: dict[str, Any]) -> None:
         """A peer's state in place (torchft calls it as this group's first step commits)."""
         state = self.state
+        assert state is not None  # torchft calls it only once wrap_optimizer has handed it the state
         for weights, peers in zip(self.weights, received["model"]):
             for name, tensor in weights.items():
                 local(tensor).copy_(peers[name])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from titan_core import (CORE_ATTENTION, ConfigError, ExpertRouting, ExpertsLayout, HFAdapter, ModelDescription,
                         ParamInit, StoredLayout, TensorParallelLayout, check_hf_config, check_moe_options,
@@ -92,7 +94,7 @@ def hf_config(args: GptOssArgs) -> dict:
             "rope_parameters": rope}
 
 
-def options_from_hf(config: dict) -> dict:
+def options_from_hf(config: Mapping[str, Any]) -> dict:
     """``model.*`` options reproducing a Hugging Face GptOss config (transformers 5's rope_parameters or 4's
     rope_theta and rope_scaling)."""
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 150000.0),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import math
 
 from titan_core import (CORE_ATTENTION, ConfigError, GatedMLP, HFAdapter, ModelDescription, ParamInit,
@@ -93,7 +96,7 @@ HF_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_laye
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor")  # transformers requires each of a llama3 RoPE
 
 
-def hf_values(config: dict) -> dict:
+def hf_values(config: Mapping[str, Any]) -> dict:
     """``config`` with transformers' default for each key of HF_DEFAULTS it leaves out; a null one is refused, as
     transformers refuses it."""
     null = next((key for key in HF_DEFAULTS if key in config and config[key] is None), None)
@@ -115,7 +118,7 @@ def scaling_options(rope: dict, max_position_embeddings: int) -> dict:
             "rope_original_max_positions": rope.get("original_max_position_embeddings") or max_position_embeddings}
 
 
-def options_from_hf(config: dict) -> dict:
+def options_from_hf(config: Mapping[str, Any]) -> dict:
     """``model.*`` options reproducing a Hugging Face Llama config, each key it leaves out taken as transformers'
     LlamaConfig takes it."""
     if config.get("model_type") != "llama":

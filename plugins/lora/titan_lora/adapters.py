@@ -65,15 +65,18 @@ def expert_stacks(description: ModelDescription, targets) -> tuple[str, ...]:
 
 def chosen_experts(model: nn.Module, description: ModelDescription) -> dict[str, nn.Module]:
     """Every block's experts module, by name from the root (dense blocks have none)."""
-    return {f"{description.blocks}.{index}.{description.experts.module}": experts
-            for index, block in attribute(model, description.blocks).items()
+    layout = description.experts
+    if layout is None:  # a dense model
+        return {}
+    return {f"{description.blocks}.{index}.{layout.module}": experts
+            for index, block in description.blocks_of(model).items()
             if (experts := description.experts_of(block)) is not None}
 
 
 def chosen_linears(model: nn.Module, description: ModelDescription, paths) -> dict[str, nn.Linear]:
     """The linears to adapt, by name from the root (a block without one, or a stage without the block, has none)."""
     return {f"{description.blocks}.{index}.{path}": linear
-            for index, block in attribute(model, description.blocks).items()
+            for index, block in description.blocks_of(model).items()
             for path, linear in block_linears(block, paths).items()}
 
 
@@ -136,7 +139,8 @@ def add_expert_adapters(experts: nn.Module, stacks: tuple[str, ...], rank: int, 
         experts.register_parameter(f"{stack}_lora_A", nn.Parameter(torch.empty(count, rank, inputs, device=device)))
         experts.register_parameter(f"{stack}_lora_B", nn.Parameter(torch.empty(count, out, rank, device=device)))
     experts.lora_stacks, experts.lora_scaling = stacks, scaling
-    experts.__class__ = _adapted_experts_class(type(experts))
+    # A class is hashable: mypy checks it against Hashable by its instances' __hash__ (python/mypy#11470).
+    experts.__class__ = _adapted_experts_class(type(experts))  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -151,10 +155,12 @@ class AdaptedExperts:
 
     lora_stacks: tuple[str, ...]
     lora_scaling: float
+    _parameters: dict[str, torch.Tensor]  # those of the nn.Module it is mixed into
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         with adapted_stacks(self):
-            return super().forward(tokens, counts)
+            # A mixin: forward is that of the experts class it is mixed into (made by _adapted_experts_class).
+            return super().forward(tokens, counts)  # type: ignore[misc]
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from titan_core import EXIT_BAD_INPUT, peft_updates
 def check_base(base: Path, adapter: Path, updates: dict[str, torch.Tensor]) -> None:
     """Every weight the adapter changes is in ``base`` with the shape of its update, read from the files' headers
     before anything is written."""
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(base.glob("*.safetensors")):
         with safe_open(file, "pt") as handle:
             shapes |= {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}

@@ -16,24 +16,31 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_core import (ADAPTER_FILES, CP, DP_REPLICATE, DP_SHARD, PEFT_PREFIX, TP, ConfigError, ModelDescription,
-                        uncomputed_field)
+from titan_core import (ADAPTER_FILES, CP, DP_REPLICATE, DP_SHARD, PEFT_PREFIX, TP, ConfigError, HFAdapter,
+                        ModelDescription, uncomputed_field)
 
 from titan_lora.adapters import FIELD, adapters, copy_box, expert_adapters
 
 log = logging.getLogger("titan_core")
 
 
+def hf_names(description: ModelDescription) -> HFAdapter:
+    """The model's Hugging Face names, through which PEFT names the adapters."""
+    # validate refuses to read or write a PEFT adapter for a model without them (ModelDescription.hf)
+    assert description.hf is not None
+    return description.hf
+
+
 def peft_name(adapter: str, which: str, description: ModelDescription) -> str:
     """PEFT's file name of an adapter's ``lora_A``/``lora_B`` weight (through the model's Hugging Face names)."""
-    return PEFT_PREFIX + description.hf.to_hf(f"{adapter}.weight").removesuffix(".weight") + f".{which}.weight"
+    return PEFT_PREFIX + hf_names(description).to_hf(f"{adapter}.weight").removesuffix(".weight") + f".{which}.weight"
 
 
 def peft_stack_name(experts: str, stacks: tuple[str, ...], stack: str, which: str,
                     description: ModelDescription) -> str:
     """PEFT's file name of a stacked linear's ``lora_A``/``lora_B``: PEFT wraps the module once per adapted
     stack, the first listed innermost, so each earlier stack sits one ``base_layer`` deeper."""
-    module = description.hf.to_hf(f"{experts}.{stack}").rpartition(".")[0]
+    module = hf_names(description).to_hf(f"{experts}.{stack}").rpartition(".")[0]
     depth = len(stacks) - 1 - stacks.index(stack)
     return PEFT_PREFIX + module + ".base_layer" * depth + f".{which}.weight"
 
@@ -41,7 +48,7 @@ def peft_stack_name(experts: str, stacks: tuple[str, ...], stack: str, which: st
 def peft_stack_target(experts: str, stack: str, description: ModelDescription) -> str:
     """The block-relative Hugging Face path of a stacked linear (PEFT's ``target_parameters`` entry)."""
     index = experts.removeprefix(f"{description.blocks}.").split(".", 1)[0]
-    return description.hf.to_hf(f"{experts}.{stack}").split(f".{index}.", 1)[1]
+    return hf_names(description).to_hf(f"{experts}.{stack}").split(f".{index}.", 1)[1]
 
 
 def to_peft_stack(factor: torch.Tensor, which: str) -> torch.Tensor:
@@ -87,6 +94,7 @@ def read_peft(model_parts, folder: Path, description: ModelDescription) -> None:
             for which in ("lora_A", "lora_B"):
                 copy_box(getattr(linear, which).weight, file.get_tensor(peft_name(name, which, description)))
         for name, experts in expert_adapters(model_parts).items():
+            assert description.experts is not None  # only a model describing its experts has them adapted
             for stack in experts.lora_stacks:
                 for which in ("lora_A", "lora_B"):
                     stored = file.get_tensor(peft_stack_name(name, experts.lora_stacks, stack, which, description))
@@ -111,12 +119,13 @@ def export_peft(model_parts, folder: Path, options, description: ModelDescriptio
               for stack in experts.lora_stacks for which in ("lora_A", "lora_B")}
     targets = [peft_stack_target(name, stack, description) for name, experts in adapted_experts.items()
                for stack in experts.lora_stacks]
-    shares = [None] * dist.get_world_size()
+    gathered: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]] | None]
+    gathered = [None] * dist.get_world_size()
     dist.gather_object((linears, stacks, targets) if writes_for_its_stage(mesh) else None,
-                       shares if dist.get_rank() == 0 else None)
+                       gathered if dist.get_rank() == 0 else None)
     if dist.get_rank() != 0:
         return
-    shares = [share for share in shares if share]
+    shares = [share for share in gathered if share]
     linears = {name: tensor for share in shares for name, tensor in share[0].items()}
     stacks = {name: tensor for share in shares for name, tensor in share[1].items()}
     targets = list(dict.fromkeys(target for share in shares for target in share[2]))  # in the stacks' order

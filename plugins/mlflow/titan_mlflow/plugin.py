@@ -90,36 +90,37 @@ class MlflowTracker:
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         for variable, value in CAPPED_RETRIES.items():
             os.environ.setdefault(variable, value)
-        self.client = MlflowClient(tracking_uri=uri)
-        self._tracking("start", lambda: self._start(run_dir, run, first_step, config, plugin_config, uri))
+        client = self.client = MlflowClient(tracking_uri=uri)
+        self._tracking("start", lambda: self._start(client, run_dir, run, first_step, config, plugin_config, uri))
 
-    def _start(self, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
+    def _start(self, client: MlflowClient, run_dir: Path, run: dict[str, Any], first_step: int, config: DictConfig,
                plugin_config: DictConfig, uri: str | None) -> None:
         ids = run_dir / RUN_ID_FILE
         if first_step > 1 and ids.exists():
             self.run_id = json.loads(ids.read_text())["run_id"]
-            self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
         else:
-            experiment = self.client.get_experiment_by_name(plugin_config.experiment)
+            experiment = client.get_experiment_by_name(plugin_config.experiment)
             experiment_id = (experiment.experiment_id if experiment is not None
-                             else self.client.create_experiment(plugin_config.experiment))
+                             else client.create_experiment(plugin_config.experiment))
             tags = {**run_tags(run, run_dir), **(plugin_config.tags or {})}
-            self.run_id = self.client.create_run(experiment_id, run_name=plugin_config.run_name or run_dir.name,
-                                                 tags=tags).info.run_id
+            self.run_id = client.create_run(experiment_id, run_name=plugin_config.run_name or run_dir.name,
+                                            tags=tags).info.run_id
             params = [Param(key, value) for key, value in flat_params(config).items()]
             for start in range(0, len(params), PARAMS_PER_CALL):
-                self.client.log_batch(self.run_id, params=params[start:start + PARAMS_PER_CALL])
+                client.log_batch(self.run_id, params=params[start:start + PARAMS_PER_CALL])
             ids.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": uri}) + "\n")
         folder = f"start-step-{first_step}"
-        self.client.log_text(self.run_id, json.dumps(run, indent=2), f"{folder}/run.json")
-        self.client.log_text(self.run_id, OmegaConf.to_yaml(config, resolve=True), f"{folder}/config.yaml")
+        client.log_text(self.run_id, json.dumps(run, indent=2), f"{folder}/run.json")
+        client.log_text(self.run_id, OmegaConf.to_yaml(config, resolve=True), f"{folder}/config.yaml")
 
     @hookimpl
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         """mlflow: send a logged step's values."""
         if self.run_id is not None and metrics:
+            client, run_id = self._tracked()
             now = int(time.time() * 1000)
-            self._tracking(f"step {step}", lambda: self.client.log_batch(self.run_id, metrics=[
+            self._tracking(f"step {step}", lambda: client.log_batch(run_id, metrics=[
                 Metric(key, float(value), now, step) for key, value in metrics.items() if key != "step"]))
 
     @hookimpl
@@ -132,14 +133,21 @@ class MlflowTracker:
         """mlflow: end the run as failed, the failure's line in the tag titan_core.error (another rank's, when that
         one failed first)."""
         if self.run_id is not None:
-            self._tracking("the failure", lambda: self.client.set_tag(self.run_id, "titan_core.error", error_line(error)))
+            client, run_id = self._tracked()
+            self._tracking("the failure", lambda: client.set_tag(run_id, "titan_core.error", error_line(error)))
         self._end(RunStatus.FAILED)
 
     def _end(self, status: int) -> None:
         if self.run_id is not None:
-            run_id = self.run_id
-            self._tracking("the end", lambda: self.client.set_terminated(run_id, RunStatus.to_string(status)))
+            client, run_id = self._tracked()
+            self._tracking("the end", lambda: client.set_terminated(run_id, RunStatus.to_string(status)))
             self.run_id = None
+
+    def _tracked(self) -> tuple[MlflowClient, str]:
+        """The client and the id of the run being tracked (``run_id`` is set)."""
+        # A run is started, and its id kept, only through the client start_tracking made.
+        assert self.client is not None and self.run_id is not None
+        return self.client, self.run_id
 
     def _tracking(self, what: str, call: Callable[[], Any]) -> None:
         """Run one exchange with the store; a failure stops the tracking, never the training, in one line."""

@@ -88,7 +88,7 @@ class OwnerExchange:
         held = dict(enumerate(pieces))
         for dim in reversed(range(len(self.mesh_shape))):
             ranks, prefix = self.mesh_shape[dim], self.coordinate[:dim]
-            sent = [[] for _ in range(ranks)]
+            sent: list[list[torch.Tensor]] = [[] for _ in range(ranks)]
             for index, rows in held.items():
                 sent[self.owners[index][dim]].append(rows)
             arriving = self._holding(dim)
@@ -109,7 +109,7 @@ class OwnerExchange:
         held = results
         for dim in range(len(self.mesh_shape)):
             ranks, prefix = self.mesh_shape[dim], self.coordinate[:dim]
-            sent = [[] for _ in range(ranks)]
+            sent: list[list[torch.Tensor]] = [[] for _ in range(ranks)]
             for index in sorted(held):
                 start = self._rows(index, prefix)[0]
                 for m in range(ranks):

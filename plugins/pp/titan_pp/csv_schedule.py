@@ -51,7 +51,9 @@ class FileSchedule:
 def read_schedule(path: str) -> FileSchedule:
     """The schedule in the CSV file ``path``, each of its cells a compute action or empty, each stage on one rank
     and every stage running every micro-batch forward and backward exactly once."""
-    file = Path(text_or_null(path, FIELD)).expanduser()
+    text = text_or_null(path, FIELD)  # refuses a number or a boolean Hydra read
+    assert text is not None  # a schedule file is read only when the option is set
+    file = Path(text).expanduser()
     if not file.is_file():
         raise ConfigError(FIELD, f"{file} is not a file", "point it at a pipeline-order CSV (a row per pipeline rank)")
     with open(file, newline="") as opened:

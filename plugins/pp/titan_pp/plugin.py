@@ -74,6 +74,8 @@ def _span(blocks: tuple[int, ...]) -> str:
 def stage_module(model: torch.nn.Module, description: ModelDescription, layout: Layout,
                  stage: int) -> torch.nn.Module:
     """A copy of the (meta) model keeping only what ``stage`` runs; its forward skips the parts set to None."""
+    # validate refused a model that does not describe its split points
+    assert description.inputs is not None and description.outputs is not None
     part = copy.deepcopy(model)
     blocks = description.blocks_of(part)
     keep = {str(i) for i in layout.blocks[stage]}

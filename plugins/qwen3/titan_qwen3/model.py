@@ -106,4 +106,7 @@ class Qwen3(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h)
-        return F.linear(h, self.embed_tokens.weight) if self.args.tie_word_embeddings else self.lm_head(h)
+        if self.args.tie_word_embeddings:
+            return F.linear(h, self.embed_tokens.weight)
+        assert self.lm_head is not None  # untied it is built, and a pipeline stage keeps it with the norm (outputs)
+        return self.lm_head(h)

@@ -36,5 +36,6 @@ class Qwen3Moe(Qwen3):
     """Qwen3 whose feed-forward sub-layers are mixtures of experts (some dense, per the options)."""
 
     @staticmethod
-    def feed_forward(args: Qwen3MoeArgs, layer: int) -> nn.Module:
+    def feed_forward(args: Qwen3Args, layer: int) -> nn.Module:
+        assert isinstance(args, Qwen3MoeArgs)  # a Qwen3Moe is built from its own options only
         return MoE(args) if args.sparse(layer) else SwiGLU(args.hidden_size, args.intermediate_size)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import dataclasses
 import math
 import re
@@ -88,7 +91,7 @@ HF_DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_head
                "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
-def options_from_hf(config: dict) -> dict:
+def options_from_hf(config: Mapping[str, Any]) -> dict:
     """``model.*`` options reproducing a Hugging Face Qwen3-MoE config, each key it leaves out taken as transformers'
     Qwen3MoeConfig takes it (transformers 5 writes num_local_experts, which wins over 4's num_experts)."""
     config = {**config, "mlp_only_layers": config.get("mlp_only_layers") or []}  # null: none, as transformers reads it

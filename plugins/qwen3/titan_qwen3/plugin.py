@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import math
 from dataclasses import fields
 
@@ -70,7 +73,7 @@ HF_DEFAULTS = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_head
                "tie_word_embeddings": False, "max_position_embeddings": 32768}
 
 
-def hf_values(config: dict, defaults: dict, family: str) -> dict:
+def hf_values(config: Mapping[str, Any], defaults: dict, family: str) -> dict:
     """The value of each key of ``defaults`` in ``config``, transformers' default when it is left out; a null one is
     refused, as transformers' config class refuses it."""
     null = next((key for key in defaults if key in config and config[key] is None), None)
@@ -80,7 +83,7 @@ def hf_values(config: dict, defaults: dict, family: str) -> dict:
     return {key: config.get(key, default) for key, default in defaults.items()}
 
 
-def family_options_from_hf(config: dict, defaults: dict, family: str) -> dict:
+def family_options_from_hf(config: Mapping[str, Any], defaults: dict, family: str) -> dict:
     """``model.*`` options reproducing a Hugging Face config of the Qwen3 family, each key of ``defaults`` it leaves
     out taken as transformers' config class takes it (``defaults``: that class's)."""
     rope = hf_rope_parameters(config)
@@ -89,7 +92,7 @@ def family_options_from_hf(config: dict, defaults: dict, family: str) -> dict:
     return {"name": family, **hf_values(config, defaults, family), "rope_theta": rope["rope_theta"]}
 
 
-def options_from_hf(config: dict) -> dict:
+def options_from_hf(config: Mapping[str, Any]) -> dict:
     """``model.*`` options reproducing a Hugging Face Qwen3 config (num_key_value_heads null: as many as the heads,
     as Qwen3Config reads it)."""
     if "num_key_value_heads" in config and config["num_key_value_heads"] is None:

@@ -188,7 +188,9 @@ def block_collectives(layout: TensorParallelLayout, sp: bool, sharded: bool, exp
     """A dense block's collectives, or with ``experts_layer`` a sparse block's, whose layer there splits its
     tokens instead of its weights; a gather named in ``sizes`` (:func:`gathered_sizes`) moves that share of the
     stream."""
-    forward = backward = forward_streams = backward_streams = output_streams = 0
+    forward = backward = output_streams = 0
+    forward_streams: float = 0  # a gather named in sizes moves a share of the stream
+    backward_streams: float = 0
     reduction = 1 if sp else 2  # a reduce-scatter, or an all-reduce
     for region in layout.block_regions:
         if within(region, experts_layer):

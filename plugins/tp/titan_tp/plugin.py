@@ -173,9 +173,10 @@ def stream_readers(layout: TensorParallelLayout, region: str) -> list[str]:
 def shared_input_cast(linears: list[nn.Module]):
     """The cast every one of ``linears`` asks for its gathered input (the same for all), or None."""
     casts = [gather_casts(linear) for linear in linears]
-    if not casts or any(c is None or c.input is None for c in casts) or len({c.same for c in casts}) > 1:
+    marked = [c for c in casts if c is not None and c.input is not None]
+    if not casts or len(marked) < len(casts) or len({c.same for c in marked}) > 1:
         return None
-    return casts[0].input
+    return marked[0].input
 
 
 def within(path: str, module: str | None) -> bool:
@@ -193,7 +194,8 @@ class SplitsOwnWeights:
         for name in children:
             delattr(module, name)
         try:
-            return super()._apply(module, device_mesh)
+            # A mixin: _apply is that of the torch style it is mixed into (OwnColwise, OwnRowwise).
+            return super()._apply(module, device_mesh)  # type: ignore[misc]
         finally:
             for name, child in children.items():
                 module.add_module(name, child)

@@ -199,8 +199,10 @@ def gated_mlp(model: nn.Module, text: transformers.PretrainedConfig) -> GatedMLP
     """The layers' ``mlp`` where it is transformers' SwiGLU: a SiLU activation (``hidden_act``) and the three
     bias-free linears as its only parameters (None for Gemma's GELU, Phi-3's fused gate and up, biased MLPs)."""
     mlp = getattr(model.get_decoder().layers["0"], "mlp", None)
+    if mlp is None:  # a layer whose feed-forward has another name
+        return None
     linears = [getattr(mlp, name, None) for name in SWIGLU]
-    plain = all(type(linear) is nn.Linear and linear.bias is None for linear in linears)
+    plain = all(linear is not None and type(linear) is nn.Linear and linear.bias is None for linear in linears)
     if getattr(text, "hidden_act", None) not in ("silu", "swish") or not plain or len(list(mlp.parameters())) != 3:
         return None
     return GatedMLP("mlp", *SWIGLU)
