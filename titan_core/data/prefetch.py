@@ -36,6 +36,7 @@ class Prefetcher:
             self._thread = threading.Thread(target=self._produce, args=(self._queue,), name="titan-core-prefetch",
                                             daemon=True)
             self._thread.start()
+        assert self._queue is not None  # made with the thread
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item

@@ -306,7 +306,7 @@ class _Tracer(TorchDispatchMode):
         results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(r, torch.Tensor)]
         reads_parameter = self.block is not None and self._reads_parameter(args)
         self.record(func.overloadpacket.__name__, args, *results, reads_parameter=reads_parameter)
-        if reads_parameter:
+        if reads_parameter and self.block is not None:  # (reads_parameter implies a block: for the type checker)
             self.param_results[self.block] += sum(_nbytes(r) for r in results
                                                   if r.untyped_storage()._cdata not in self.learned) / self.positions
         for result in results:
@@ -401,6 +401,7 @@ class _FusedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask = mask  # held as the kernel holds it, counted apart (Tracer.kept_mask): blocks share one
         tracer = _Tracer.active
+        assert tracer is not None  # the fused attention is swapped in only while a tracer runs
         tracer.record("attention", (q, k, v), out, lse)
         tracer.attention_kv = max(tracer.attention_kv, (_nbytes(k) + _nbytes(v)) / tracer.positions)
         return out
@@ -413,7 +414,9 @@ class _FusedAttention(torch.autograd.Function):
 
 def _fused_attention(q, k, v, *args, attn_mask=None, **kwargs):
     if attn_mask is not None:
-        _Tracer.active.kept_mask(attn_mask, q)
+        tracer = _Tracer.active
+        assert tracer is not None  # swapped in only while a tracer runs
+        tracer.kept_mask(attn_mask, q)
     return _FusedAttention.apply(q, k, v, attn_mask)
 
 

@@ -397,17 +397,21 @@ class CheckpointPlugin:
         self.checkpointer = Checkpointer(plugin_config, config, Path(run_dir), plan)
         return self.checkpointer.load(state)
 
+    def started(self) -> Checkpointer:
+        assert self.checkpointer is not None  # load_checkpoint made it as training began
+        return self.checkpointer
+
     @hookimpl
     def save_checkpoint(self, state, step, final, preempted, check_finite):
         """checkpoint: save on the interval (asynchronously if asked), on preemption, and at the end, then
         export if asked."""
-        return self.checkpointer.save(state, step, final, preempted, check_finite)
+        return self.started().save(state, step, final, preempted, check_finite)
 
     @hookimpl
     def on_train_end(self):
         """checkpoint: wait for the save in flight and the deletions under way, so that the job ends with its
         folder as it will stay."""
-        self.checkpointer.close()
+        self.started().close()
         dist.barrier()
 
     @hookimpl

@@ -102,9 +102,9 @@ class SharedMetadataReader(dcp.FileSystemReader):
 
     def __init__(self, path):
         super().__init__(str(path))
-        metadata = [super().read_metadata() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(metadata, src=0)
-        self.metadata = metadata[0]
+        received: list = [super().read_metadata() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(received, src=0)
+        self.metadata: Metadata = received[0]
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self.metadata.storage_meta.load_id = self.load_id

@@ -2,6 +2,7 @@
 exists), the casts' memory traffic, FSDP's float8 all-gathers; and the recipes worth trying on a card."""
 
 import functools
+from typing import Any
 
 from titan_core import ConfigError, hookimpl
 from titan_core.planner import evaluated
@@ -108,7 +109,7 @@ def rank_converted(estimate, converted) -> list:
     return [linear for _, _, linear in rank_converted_at(estimate, converted)]
 
 
-def rank_converted_at(estimate, converted) -> list[tuple[int, str, object]]:
+def rank_converted_at(estimate, converted) -> list[tuple[int, str, Any]]:
     """The same with each one's block index and path in the block."""
     return [(i, path, linear) for i in estimate.blocks for path, linear in estimate.rank_linears(i).items()
             if converted(estimate, i, path)]

@@ -10,6 +10,7 @@ in it instead of computing one from the peak rates and the casts' bytes.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 # M, K and N of the table's forward matmul (M rows of K features into N), each from 1,024 to 32,768.
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -71,7 +72,7 @@ H100_TENSORWISE = tuple(tuple(tuple(min(FLOAT8_PEAK_GAIN, TENSORWISE_OVER_ROWWIS
                               for row in plane) for plane in H100_ROWWISE)
 
 # By recipe, then by the chip a profile names (``Hardware.chip``): the H200 is an H100's die with more memory.
-SPEEDUPS = {"rowwise": {"gh100": H100_ROWWISE}, "tensorwise": {"gh100": H100_TENSORWISE}}
+SPEEDUPS: dict[str, dict[str, Any]] = {"rowwise": {"gh100": H100_ROWWISE}, "tensorwise": {"gh100": H100_TENSORWISE}}
 
 
 def _position(size: float) -> float:

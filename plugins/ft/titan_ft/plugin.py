@@ -275,6 +275,7 @@ class FaultTolerance:
         """ft: the groups in the last quorum; what the groups committed (steps under sync, synchronizations under
         local_sgd and diloco); the steps no quorum committed (sync)."""
         manager = self.manager
+        assert manager is not None  # wrap_optimizer made it before the first step
         return {"ft_groups": float(manager.num_participants()), "ft_commits": float(manager.current_step()),
                 "ft_skipped_steps": float(self.steps.skipped if self.steps else 0)}
 

@@ -104,6 +104,8 @@ class MuonWithAdamW(torch.optim.AdamW):
     Muon update and counts its work.
     """
 
+    param_groups: list[dict]  # torch's, which mypy reads as untyped
+
     def __init__(self, groups: list[dict], newton_schulz: NewtonSchulz, momentum_dtype: torch.dtype = torch.float32,
                  **adamw):
         super().__init__(groups, **adamw)

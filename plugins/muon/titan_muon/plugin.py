@@ -97,7 +97,9 @@ class MuonPlugin:
     @hookimpl
     def step_metrics(self, mesh):
         """muon: how the step's Newton–Schulz work spread over the ranks, and the busiest rank's traffic for it."""
-        flops, received = float(self.optimizer.newton_schulz.flops), float(self.optimizer.received_bytes)
+        optimizer = self.optimizer
+        assert optimizer is not None  # build_optimizer made it before the first step
+        flops, received = float(optimizer.newton_schulz.flops), float(optimizer.received_bytes)
         busiest = torch.tensor([flops, received], device=mesh.device_type)
         total = torch.tensor([flops], device=mesh.device_type)
         if dist.is_initialized():

@@ -87,7 +87,7 @@ class SftPlugin:
         if problems or cut:
             kinds: dict[str, list[int]] = {}
             for index, example in problems:
-                kinds.setdefault(example.kind, []).append(index)
+                kinds.setdefault(str(example.kind), []).append(index)  # every problem has its kind
             print(f"titan-sft: {len(problems) + len(cut)} of {len(rows) + len(cut)} conversations left out: " + "; ".join(
                 [f"{len(indices)} {kind} (e.g. row {indices[0]})" for kind, indices in kinds.items()]
                 + ([f"{len(cut)} cut short (e.g. {cut[0]})"] if cut else [])), flush=True)
