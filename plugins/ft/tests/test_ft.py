@@ -316,6 +316,29 @@ def test_the_parts_compared_leave_out_what_a_group_lists_in_may_differ():
     assert job(0, 0, ["training.seed"]) == job(1, 1, ["training.seed"])
 
 
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_a_killed_group_recovers_at_a_synchronization_under_local_sgd_and_diloco(mode, lighthouse, paced, tmp_path):
+    """Group 1 killed at step 5 and started again: under LocalSGD and DiLoCo the groups meet only at their
+    synchronizations (every 2 steps), where the restarted group finds itself behind and takes group 0's state (what it
+    trained alone before is dropped); both end with the same weights and data position."""
+    overrides = groups_of(lighthouse(1), "ft,paced", "training.steps=30", f"plugins.ft.mode={mode}",
+                          "plugins.ft.sync_every=2")
+    first, second = (Group([*overrides, f"plugins.ft.replica_group={index}"], tmp_path / f"group{index}", paced)
+                     for index in (0, 1))
+    second.wait_for(lambda: len(second.steps()) >= 5, "group 1's step 5")
+    second.signal(signal.SIGKILL)
+    first.wait_for(lambda: any(m["ft_groups"] == 1.0 for m in first.result.metrics[5:]), "group 0 alone")
+    again = Group([*overrides, "plugins.ft.replica_group=1"], tmp_path / "group1_again", paced)
+    first, again = first.finish(), again.finish()
+    # Started again, it trains alone until its first synchronization (sync_every - 1 steps logged), which it joins at
+    # group 0's step.
+    steps = [m["step"] for m in again.metrics]
+    joined = [step for step in steps if step > 5]
+    assert joined == list(range(joined[0], 31)) and steps[:-len(joined)] == [1], steps
+    assert first.metrics[-1]["ft_groups"] == 2.0
+    assert_together(first, again)
+
+
 def test_the_lighthouse_unreachable_is_one_line_before_launch(tmp_path):
     """Exit 2 and one line naming the option, before any worker starts (no rank log written)."""
     result = run_job([*TINY, "+plugins=[ft]", "plugins.ft.lighthouse=http://localhost:9"], tmp_path / "run",
