@@ -187,6 +187,19 @@ def spread(values: list[float]) -> str:
             f"{sum(abs(v) <= 0.15 for v in values)}/{len(values)} within 15%")
 
 
+def contained(all_rows: list[Row], held_out: dict) -> tuple[int, int]:
+    """How many rows' held-out errors the printed band would have contained had their source never been published:
+    the band for their card set from the card's rows of the other sources (its worst held-out error), and none
+    ("expected error: unknown") for a card no other source has; and how many rows had no band. (The other sources'
+    held-out errors come from fits that saw this row's source: the band is that much better informed.)"""
+    inside = unknown = 0
+    for row in all_rows:
+        others = [abs(held_out[r]) for r in all_rows if r.family == row.family and r.source != row.source]
+        unknown += not others
+        inside += bool(others) and abs(held_out[row]) <= max(others)
+    return inside, unknown
+
+
 def main() -> None:
     start = time.perf_counter()
     all_rows = rows()
@@ -217,6 +230,9 @@ def main() -> None:
               f"{spread([held_out[r] for r in own])}; memory {spread([memory[r] for r in own if memory[r] is not None])}")
     print(f"every card: tokens/s as shipped {spread(list(as_shipped.values()))}; held out "
           f"{spread(list(held_out.values()))}; memory {spread([m for m in memory.values() if m is not None])}")
+    inside, unknown = contained(all_rows, held_out)
+    print(f"the printed band, set without each row's source, contains {inside} of {len(all_rows)} held-out rows' "
+          f"errors ({unknown} rows on cards no other source has: band unknown)")
     print(f"\n({time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
 
