@@ -246,11 +246,11 @@ class FaultTolerance:
             return self.steps
         # LocalSGD and DiLoCo start each synchronization's quorum themselves: the groups compare their parts there,
         # as the quorum is formed, before the weights' all-reduces.
-        start_quorum, group = self.manager.start_quorum, plugin_config.replica_group
+        start_quorum = self.manager.start_quorum
 
         def start_quorum_and_agree(*args, **kwargs):
             start_quorum(*args, **kwargs)
-            check_agreement(self.manager, self.digests, group, plugin_config.group_count, self.warned)
+            self.agree(plugin_config)
         self.manager.start_quorum = start_quorum_and_agree  # type: ignore[method-assign]
         model = nn.ModuleList(state.model_parts)
         if mode == "local_sgd":
@@ -265,10 +265,14 @@ class FaultTolerance:
     def after_backward(self, model_parts, plugin_config):
         """ft (sync): the groups' parts compared, then the gradients averaged over the groups in the quorum."""
         if plugin_config.mode == "sync":
-            check_agreement(self.manager, self.digests, plugin_config.replica_group, plugin_config.group_count,
-                            self.warned)
+            self.agree(plugin_config)
             average_across_groups(self.manager, [local(p.grad) for part in model_parts for p in part.parameters()
                                                  if p.grad is not None])
+
+    def agree(self, plugin_config) -> None:
+        """The groups in the quorum run the same job, or this one stops in one line (:mod:`titan_ft.agreement`)."""
+        assert self.manager is not None  # called once wrap_optimizer made it
+        check_agreement(self.manager, self.digests, plugin_config.replica_group, plugin_config.group_count, self.warned)
 
     @hookimpl
     def step_metrics(self):
