@@ -198,6 +198,20 @@ def test_the_text_stream_resumes_from_its_saved_position(tmp_path, monkeypatch):
     assert len(read) == resumed.documents_read - state["documents_read"]  # none before the saved position
 
 
+def test_a_loaded_position_is_the_position_until_more_is_read(tmp_path):
+    """A loader that has read, then loads another position (a recovering ft group, a resume), reports the loaded
+    position, not its own stream's old one, even before it reads again."""
+    data = OmegaConf.merge(BUILTIN, {"source": "local", "path": str(write_docs(tmp_path, 400))})
+    ahead, behind = text_loader(data=data, batch=2), text_loader(data=data, batch=2)
+    for _ in range(40):
+        next(ahead)
+    next(behind)
+    assert behind.documents_read < ahead.documents_read
+    behind.load_state_dict(ahead.state_dict())
+    for name, value in ahead.state_dict().items():
+        assert torch.equal(torch.as_tensor(behind.state_dict()[name]), torch.as_tensor(value)), name
+
+
 # Before launch: one line naming the field, for each fault of prepared data.
 def test_shards_of_another_tokenizer_are_refused(prepared, tmp_path):
     line = error_line(run_job([*TINY, "tokenizer.path=builtin", "data.source=tokens", f"data.path={prepared}"],

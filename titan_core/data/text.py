@@ -226,4 +226,4 @@ class PackedLoader:
         self.documents_read = int(state["documents_read"])
         self.buffer = [int(t) for t in state["buffer"]]
         self._stream_state = json.loads(bytes(state["stream"].tolist()).decode()) if "stream" in state else None
-        self._documents = None
+        self._stream, self._documents = None, None  # the old stream's position is not this one
