@@ -1,4 +1,4 @@
-"""Outsiders' plugins written from docs/writing-plugins.md alone, installed for the test (titan_core.testing.
+"""Outsiders' plugins written from docs/planner-internals.md alone, installed for the test (titan_core.testing.
 install_plugins): each prices itself in a pricing module of its own (``costs=``, group titan_core.costs) beside its
 plugin module (empty when it has no technique hook), and the planner counts what each says; a plugin with no
 pricing is reported, not counted."""
@@ -52,7 +52,7 @@ def test_an_outsiders_plugin_contributes_its_own_terms(tmp_path):
     assert "not counted" not in done.stdout
 
 
-# Written from docs/writing-plugins.md's paragraph on the estimate's properties: a moment just after the loss's
+# Written from docs/planner-internals.md's paragraph on the estimate's properties: a moment just after the loss's
 # backward, counted beyond what the moment as backward starts holds for the outputs and the loss.
 AFTER_THE_LOSS = '''
 from titan_core import hookimpl
@@ -87,7 +87,7 @@ def test_an_outsiders_term_after_the_loss_counts_beyond_the_losss_backward(tmp_p
         assert "gradstats:" not in stacked.stdout and grown == 0
 
 
-# Written from docs/writing-plugins.md's expert-load paragraph: a memory term grows with the busiest micro-batch's
+# Written from docs/planner-internals.md's expert-load paragraph: a memory term grows with the busiest micro-batch's
 # load, a time term with the step's.
 RECEIVE_BUFFER = '''
 from titan_core import hookimpl
@@ -115,7 +115,7 @@ def test_an_outsiders_terms_follow_the_busiest_micro_batchs_load_and_the_steps(t
     assert "copies to the expert ranks over dp_shard: 1.25 MiB per step" in done.stdout
 
 
-# An optimizer plugin as docs/writing-plugins.md describes one: plain SGD, and the FLOPs it says its step runs.
+# An optimizer plugin as docs/planner-internals.md describes one: plain SGD, and the FLOPs it says its step runs.
 MATRIX_OPTIMIZER = '''
 import torch
 from titan_core import hookimpl
@@ -153,7 +153,7 @@ def test_an_outsiders_optimizer_flops_lengthen_the_step_at_the_matmul_rate(tmp_p
     assert longer == pytest.approx(3e13 / (a100.peak_tflops() * 1e12 * a100.achievable), rel=1e-3)
 
 
-# A plugin written from docs/writing-plugins.md that copies every weight once per step in device memory.
+# A plugin written from docs/planner-internals.md that copies every weight once per step in device memory.
 WEIGHT_COPY = '''
 from titan_core import hookimpl
 
@@ -233,7 +233,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_chunked_loss_keeps_one_chunk_of_logits(tmp_path):
-    """Estimate.logits_tokens, set as docs/writing-plugins.md says by a plugin written from it: the activations
+    """Estimate.logits_tokens, set as docs/planner-internals.md says by a plugin written from it: the activations
     printed are the plan's with the logits of 16 tokens instead of the micro-batch's 512."""
     env = install_plugins(tmp_path / "site", {"logitchunks": ("", "tokens: 16\n")}, "logitchunks-plugin",
                           costs={"logitchunks": LOGIT_CHUNKS})
@@ -269,7 +269,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_experts_call_holds_its_copies_where_a_block_recomputes(tmp_path):
-    """Estimate.expert_copies_held, set as docs/writing-plugins.md says by a plugin written from it: a checkpointed
+    """Estimate.expert_copies_held, set as docs/planner-internals.md says by a plugin written from it: a checkpointed
     block's forward, run again in backward, then holds the plan's peak (its backward's did without them)."""
     env = install_plugins(tmp_path / "site", {"heldcopies": ("", "copies: 3\n")}, "heldcopies-plugin",
                           costs={"heldcopies": HELD_COPIES})
@@ -295,7 +295,7 @@ def estimate_costs(estimate, plugin_config):
 
 def test_an_outsiders_deferred_weight_gradients_keep_what_their_weight_half_needs(tmp_path):
     """Estimate.weight_halves_waiting, first_backward and a term "accumulated", set by a plugin written from
-    docs/writing-plugins.md: each waiting micro-batch keeps the gradients of its blocks' parameter-reading results
+    docs/planner-internals.md: each waiting micro-batch keeps the gradients of its blocks' parameter-reading results
     (facts.block_param_results); a warm-up of many micro-batches peaks before any gradient exists."""
     env = install_plugins(tmp_path / "site", {"deferredw": ("", "waiting: 2\nwarmup: 1\n")}, "deferredw-plugin",
                           costs={"deferredw": DEFERRED_WEIGHTS})
@@ -320,7 +320,7 @@ def test_an_outsiders_deferred_weight_gradients_keep_what_their_weight_half_need
     assert "buffers 4.00 KiB" in " ".join(text.split())  # the model's buffers; the whole copy not yet made
 
 
-# A plugin written from docs/writing-plugins.md that changes what a pipeline sets per rank, knowing no pipeline.
+# A plugin written from docs/planner-internals.md that changes what a pipeline sets per rank, knowing no pipeline.
 OFFLOAD = '''
 from titan_core import hookimpl
 from titan_core.planner import evaluated
@@ -363,7 +363,7 @@ def test_an_outsiders_change_to_a_per_rank_field_reaches_every_rank(tmp_path):
         wrong.each_rank()
 
 
-# A plugin written from docs/writing-plugins.md's "regathered" paragraph: weights that leave the device after
+# A plugin written from docs/planner-internals.md's "regathered" paragraph: weights that leave the device after
 # forward and come back block by block as backward reaches them.
 WEIGHT_STREAM = '''
 from titan_core import hookimpl
@@ -385,7 +385,7 @@ def estimate_costs(estimate, plugin_config):
 
 def test_an_outsiders_weights_brought_back_in_backward_count_what_backward_has_reached(tmp_path):
     """A term added when="regathered", with Estimate.backward_prefetch, prefetched_gathered and backward_regathers
-    set by a plugin written from docs/writing-plugins.md. The tiny Llama's peak is as backward starts: then it holds
+    set by a plugin written from docs/planner-internals.md. The tiny Llama's peak is as backward starts: then it holds
     the weights outside the blocks and the `ahead` last blocks' (all of them when the plugin says backward finds
     them back), summed here by hand from the plan's own block sizes."""
     env = install_plugins(tmp_path / "site", {"weightstream": (
@@ -412,7 +412,7 @@ def test_an_outsiders_weights_brought_back_in_backward_count_what_backward_has_r
     assert 4 * blocks[-1] > 0.1 * 2**20  # a block more or less moves the total beyond the printed rounding
 
 
-# A plugin written from docs/writing-plugins.md's "unreleased" paragraph: weights kept from forward until backward
+# A plugin written from docs/planner-internals.md's "unreleased" paragraph: weights kept from forward until backward
 # has passed them.
 WEIGHTS_KEPT = '''
 from titan_core import hookimpl
@@ -427,7 +427,7 @@ def estimate_costs(estimate):
 
 
 def test_an_outsiders_weights_kept_since_forward_are_let_go_as_backward_passes_them(tmp_path):
-    """A term added when="unreleased" by a plugin written from docs/writing-plugins.md. The tiny Llama's peak is as
+    """A term added when="unreleased" by a plugin written from docs/planner-internals.md. The tiny Llama's peak is as
     backward starts, when every copy is held (summed here by hand from the plan's own sizes). (How the moment lets
     units go as backward passes them is checked against torch's tracker by fsdp's reshard_after_forward=never.)"""
     env = install_plugins(tmp_path / "site", {"weightskept": ("", "")}, "weightskept-plugin",
@@ -445,7 +445,7 @@ def test_an_outsiders_weights_kept_since_forward_are_let_go_as_backward_passes_t
     assert "weightskept: weights kept since forward" in text and "(until backward has run each unit)" in text
 
 
-# A plugin written from docs/writing-plugins.md: an optimizer's step of its own, and a buffer kept across steps.
+# A plugin written from docs/planner-internals.md: an optimizer's step of its own, and a buffer kept across steps.
 STEP_HELD = '''
 from titan_core import hookimpl
 
@@ -459,7 +459,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_optimizer_step_and_kept_buffer_reach_the_step_peak(tmp_path):
-    """Estimate.optimizer_step_bytes and a term added when="held", by a plugin written from docs/writing-plugins.md,
+    """Estimate.optimizer_step_bytes and a term added when="held", by a plugin written from docs/planner-internals.md,
     on two sequences of 16 tokens, where the step's peak is the optimizer's: what its step holds replaces what the
     core measured of its own optimizer, and the kept buffer is there too (summed by hand)."""
     env = install_plugins(tmp_path / "site", {"stepheld": ("", "step_bytes: 0\nkept_bytes: 0\n")}, "stepheld-plugin",
@@ -483,7 +483,7 @@ def test_an_outsiders_optimizer_step_and_kept_buffer_reach_the_step_peak(tmp_pat
     assert "stepheld: a buffer kept across steps 2.00 MiB (across steps)" in text
 
 
-# A plugin written from docs/writing-plugins.md: a schedule of its own that keeps micro-batches' outputs.
+# A plugin written from docs/planner-internals.md: a schedule of its own that keeps micro-batches' outputs.
 HELD_OUTPUTS = '''
 from titan_core import hookimpl
 
@@ -499,7 +499,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_kept_outputs_and_gradients_made_reach_the_peak(tmp_path):
-    """Estimate.output_kept and gradients_made, set by a plugin written from docs/writing-plugins.md, on a step of
+    """Estimate.output_kept and gradients_made, set by a plugin written from docs/planner-internals.md, on a step of
     two micro-batches: three micro-batches in flight keep three outputs (summed by hand); half the gradients
     exist at the peak, as backward starts, where all did."""
     env = install_plugins(tmp_path / "site", {"heldoutputs": ("", "in_flight: 3\noutput_bytes: 0\nmade: 1.0\n")},
@@ -521,7 +521,7 @@ def test_an_outsiders_kept_outputs_and_gradients_made_reach_the_peak(tmp_path):
     assert half == pytest.approx(gradients / 2, rel=0.01)
 
 
-# A plugin written from docs/writing-plugins.md: a fused cross-entropy kernel of its own (no torch.compile).
+# A plugin written from docs/planner-internals.md: a fused cross-entropy kernel of its own (no torch.compile).
 FUSED_CROSS_ENTROPY = '''
 from titan_core import hookimpl
 
@@ -534,7 +534,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_fused_loss_reaches_the_peak(tmp_path):
-    """Estimate.fused_loss, set by a plugin written from docs/writing-plugins.md: the plan command prints the
+    """Estimate.fused_loss, set by a plugin written from docs/planner-internals.md: the plan command prints the
     activations the core's fused facts give, less than the eager loss's by more than the printed rounding."""
     env = install_plugins(tmp_path / "site", {"fusedce": ("", "")}, "fusedce-plugin",
                           costs={"fusedce": FUSED_CROSS_ENTROPY})
@@ -559,7 +559,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_cached_term_is_reserved_not_allocated(tmp_path):
-    """A term added ``when="cached"`` by a plugin written from docs/writing-plugins.md: the plan command prints it
+    """A term added ``when="cached"`` by a plugin written from docs/planner-internals.md: the plan command prints it
     under what the allocator reserves, which grows by it, and the allocated peak (what "fits" is judged on) does
     not move."""
     env = install_plugins(tmp_path / "site", {"stagingstream": ("", "")}, "stagingstream-plugin",
@@ -585,7 +585,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_whole_gradient_accumulates_whole_under_fsdp(tmp_path):
-    """Estimate.grad_whole_params, set by a plugin written from docs/writing-plugins.md and read by fsdp, which
+    """Estimate.grad_whole_params, set by a plugin written from docs/planner-internals.md and read by fsdp, which
     knows no such plugin: accumulating two micro-batches unreduced, fsdp keeps that gradient whole in float32
     beside the others."""
     env = install_plugins(tmp_path / "site", {"wholegrad": ("", "")}, "wholegrad-plugin",
@@ -617,7 +617,7 @@ def estimate_costs(estimate):
 
 def test_an_outsiders_whole_gradient_is_kept_by_autograd_unless_a_sharder_holds_the_gradients(tmp_path):
     """Without a sharder, autograd keeps the whole gradient of Estimate.grad_whole_params (set by a plugin written
-    from docs/writing-plugins.md) across two micro-batches, which the core counts; a second outsider's plugin,
+    from docs/planner-internals.md) across two micro-batches, which the core counts; a second outsider's plugin,
     written from the same page, that says it holds the gradients (Estimate.sharder_holds_gradients) takes it over."""
     env = install_plugins(tmp_path / "site", {"wholegrad": ("", ""), "holdgrads": ("", "")}, "outsider-gradients",
                           costs={"wholegrad": WHOLE_GRADIENT, "holdgrads": HOLDS_GRADIENTS})
@@ -646,7 +646,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_logits_split_reaches_what_a_pipelines_last_stage_keeps(tmp_path):
-    """Estimate.logits_split, set by a plugin written from docs/writing-plugins.md and read by pp, which knows no
+    """Estimate.logits_split, set by a plugin written from docs/planner-internals.md and read by pp, which knows no
     such plugin: GPipe's last stage keeps each of its four micro-batches' logits, and its loss makes their
     gradients, half as large split two ways."""
     env = install_plugins(tmp_path / "site", {"vocabsplit": ("", "ways: 2\n")}, "vocabsplit-plugin",
@@ -666,7 +666,7 @@ def test_an_outsiders_logits_split_reaches_what_a_pipelines_last_stage_keeps(tmp
     assert halved > 0.1 * 2**20  # beyond the printed rounding
 
 
-# Written from docs/writing-plugins.md's paragraph on memory traffic: each linear as the rank computes it.
+# Written from docs/planner-internals.md's paragraph on memory traffic: each linear as the rank computes it.
 INT8_INPUTS = '''
 from titan_core import hookimpl
 
@@ -682,7 +682,7 @@ def estimate_costs(estimate, plugin_config):
 
 
 def test_an_outsiders_traffic_per_linear_follows_tensor_parallels_splits(tmp_path):
-    """A plugin written from docs/writing-plugins.md reads each linear of the rank's blocks (Estimate.rank_linears)
+    """A plugin written from docs/planner-internals.md reads each linear of the rank's blocks (Estimate.rank_linears)
     and knows no tp: stacked with tp 2, its bytes are the inputs each linear of a real tp step computes on (a
     column-wise linear's whole, a row-wise one's half), not the whole model's nor its half."""
     env = install_plugins(tmp_path / "site", {"int8acts": ("", "bytes: 1\n")}, "int8acts-plugin",
@@ -699,7 +699,7 @@ def test_an_outsiders_traffic_per_linear_follows_tensor_parallels_splits(tmp_pat
     assert whole / 2 + 2**10 < printed < whole - 2**10
 
 
-# Written from docs/writing-plugins.md's paragraph on recomputation: an exchange each time attention runs.
+# Written from docs/planner-internals.md's paragraph on recomputation: an exchange each time attention runs.
 KV_MIRROR = '''
 from titan_core import hookimpl
 
@@ -716,7 +716,7 @@ def estimate_costs(estimate, plugin_config):
 
 @pytest.mark.parametrize("mode, runs", [("full", 2), ("selective_op", 1)])
 def test_an_outsiders_attention_exchange_is_paid_again_only_where_attention_is_recomputed(mode, runs, tmp_path):
-    """A plugin written from docs/writing-plugins.md whose attention exchanges data reads
+    """A plugin written from docs/planner-internals.md whose attention exchanges data reads
     Estimate.recomputes_attention: under full checkpointing a block's attention runs twice, under selective
     checkpointing, which keeps attention's results (ac sets Estimate.attention_kept), once."""
     env = install_plugins(tmp_path / "site", {"kvmirror": ("", "")}, "kvmirror-plugin", costs={"kvmirror": KV_MIRROR})
@@ -730,7 +730,7 @@ def test_an_outsiders_attention_exchange_is_paid_again_only_where_attention_is_r
     assert float(number) * {"MiB": 2**20, "KiB": 2**10}[unit] == pytest.approx(runs * once, abs=0.006 * 2**10)
 
 
-# Written from docs/writing-plugins.md's paragraph on mixture-of-experts units: a module of a sparse block marked
+# Written from docs/planner-internals.md's paragraph on mixture-of-experts units: a module of a sparse block marked
 # replicate_only_over, and the dimensions it names told to the planner.
 EXPERTS_UNIT = '''
 from titan_core import DP_SHARD, Declaration, hookimpl, replicate_only_over
@@ -762,7 +762,7 @@ def estimate_costs(estimate):
 
 
 def test_an_outsiders_expert_units_are_gathered_and_reduced_as_planned(tmp_path, monkeypatch):
-    """A plugin written from docs/writing-plugins.md makes each block's experts a unit of the sharder's own and
+    """A plugin written from docs/planner-internals.md makes each block's experts a unit of the sharder's own and
     says so in Estimate.sparse_units, knowing no fsdp: under fsdp 2 on gpt-oss (4 sparse blocks) the calls rank 0
     issues are those planned, 7 gathers and 4 reduce-scatters more than fsdp alone."""
     install_plugins(tmp_path / "site", {"expertsunit": (EXPERTS_UNIT, "")}, "expertsunit-plugin",
@@ -806,7 +806,7 @@ def test_an_optimizer_plugins_state_is_measured_not_assumed(tmp_path):
     assert narrow.optimizer_state_bytes == 4  # AdamW's two moments in bfloat16
 
 
-# Written from docs/writing-plugins.md's paragraph on the estimate's properties: a plugin freezing modules as it
+# Written from docs/planner-internals.md's paragraph on the estimate's properties: a plugin freezing modules as it
 # converts them registers the same conversion for the planner's trace.
 FROZEN_LAYERS = '''
 from titan_core import hookimpl
@@ -870,7 +870,7 @@ def test_a_plugin_without_the_hook_is_reported_not_counted():
     assert result.not_counted == ["checkpoint"]
 
 
-# Two plugins written from docs/writing-plugins.md that cost the devices nothing: one says so, one has no hook.
+# Two plugins written from docs/planner-internals.md that cost the devices nothing: one says so, one has no hook.
 NOTIFIER = '''
 from titan_core import hookimpl
 

@@ -22,6 +22,7 @@ from titan_core.planner.estimate import CATEGORIES, GIB, Estimate, evaluated
 from titan_core.planner.facts import model_facts, optimizer_facts
 from titan_core.planner import hookspecs
 from titan_core.planner.hardware import Hardware, by_device_name, cpu_measured
+from titan_core.planner.ledger import Ledger
 from titan_core.plugins import Hooks, Registry, Room, build_plan
 
 
@@ -110,13 +111,15 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
                           "micro-batches", "core", when="accumulated")
         for name in (p.name for p in plan.plugins):
             if registry.implements(name, "estimate_costs"):
-                hooks.call(name, "estimate_costs", estimate=result, config=config)
+                hooks.call(name, "estimate_costs", estimate=result, ledger=Ledger(result, name), config=config,
+                           hardware=hardware)
                 result.counted.append(name)
             else:
                 result.not_counted.append(name)
         # Last, as in every ordered hook: the model plugin, for what its own hooks run besides the model (the
         # trace counts the model itself, so a model plugin without it is not "not counted").
-        hooks.call(registry.model, "estimate_costs", estimate=result, config=config)
+        hooks.call(registry.model, "estimate_costs", estimate=result, ledger=Ledger(result, registry.model),
+                   config=config, hardware=hardware)
         return result
 
     result = costed({})
@@ -240,6 +243,9 @@ def report(result: Estimate) -> str:
               f"  FLOPs per rank per step: {flops:.4g}; MFU {flops / seconds['step'] / (result.peak_tflops() * 1e12):.1%}",
               f"  throughput: {result.tokens_per_device():,.0f} tokens/s/device "
               f"({tokens / seconds['step']:,.0f} tokens/s for the job){speed_note}"]
+    for what, flops, plugin in result.flops_terms:
+        lines.append(f"  matrix products {plugin}: {what}: {evaluated(flops, result):.4g} FLOPs per step "
+                     f"at {hardware.matmul_tflops():.4g} TFLOPS")
     for what, nbytes, plugin in result.traffic_terms:
         lines.append(f"  memory traffic {plugin}: {what}: {_size(evaluated(nbytes, result))} per step "
                      f"at {hardware.memory_gbps:.0f} GB/s")

@@ -220,6 +220,7 @@ class Estimate:
     rank: int = 0  # which of ``ranks`` this estimate is
     memory_terms: list[tuple] = field(default_factory=list)  # (category, what, bytes, plugin, when)
     traffic_terms: list[tuple] = field(default_factory=list)  # (what, bytes, plugin)
+    flops_terms: list[tuple] = field(default_factory=list)  # (what, FLOPs, plugin)
     collectives: list[Collective] = field(default_factory=list)
     counted: list[str] = field(default_factory=list)
     not_counted: list[str] = field(default_factory=list)
@@ -313,6 +314,11 @@ class Estimate:
         activations' elementwise passes (casts, copies), a number or a function of the estimate as in
         :meth:`add_memory`; priced at the hardware's memory bandwidth with the step's elementwise work."""
         self.traffic_terms.append((what, nbytes, plugin))
+
+    def add_flops(self, flops, what: str, plugin: str) -> None:
+        """Matrix-product FLOPs per optimizer step this plugin runs on this rank beyond the model's, a number or a
+        function of the estimate as in :meth:`add_memory`; priced at the hardware's matmul rate."""
+        self.flops_terms.append((what, flops, plugin))
 
     def each_rank(self) -> list[Estimate]:
         """One estimate per kind of rank in ``ranks``, in their order (this estimate when all ranks are alike)."""
@@ -667,7 +673,8 @@ class Estimate:
         matmul = ((self.step_flops() + self.step_flops(frozen_too=True) * self.recomputed_fraction
                    + self.uneven_expert_flops())
                   / evaluated(self.matmul_speedup, self)
-                  + evaluated(self.optimizer_flops, self)) / (hardware.matmul_tflops() * 1e12)
+                  + evaluated(self.optimizer_flops, self) + sum(evaluated(flops, self) for _, flops, _ in self.flops_terms)
+                  ) / (hardware.matmul_tflops() * 1e12)
         facts = self.facts
         produced = (sum(self.saved(i, self.expert_load) for i in self.blocks)
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))

@@ -18,25 +18,31 @@ from titan_core.hookspecs import hookspec
 from titan_core.plan import Plan
 from titan_core.planner.estimate import Estimate
 from titan_core.planner.hardware import Hardware
+from titan_core.planner.ledger import Ledger
 
 COSTS_GROUP = "titan_core.costs"
 
 
 @hookspec
-def estimate_costs(estimate: Estimate, config: DictConfig, plugin_config: DictConfig, plan: Plan) -> None:
-    """Change one rank's estimated memory and step time as this plugin's technique changes them.
+def estimate_costs(ledger: Ledger, estimate: Estimate, config: DictConfig, plugin_config: DictConfig, plan: Plan,
+                   hardware: Hardware) -> None:
+    """Say what this plugin's technique costs one rank: its memory, collectives, matrix products and traffic.
 
     Runs in ``python -m titan_core.planner`` and the dry run, in the launching process, once per enabled
     plugin in plan order, then for the model plugin, before anything is built. An enabled plugin without it is
     reported as not counted; a model plugin needs it only for what its own hooks run besides the model, which
     the planner traces (the planner prices :class:`titan_core.ExpertRouting`'s balancing all-reduce itself).
+    Refuse a plan the hardware cannot run with :class:`titan_core.ConfigError`.
 
-    :param estimate: The ledger (:class:`titan_core.planner.Estimate`), starting as the model alone on one process:
-        change the fields the technique changes and add its own collectives and buffers (``add_collective``,
-        ``add_memory``); docs/writing-plugins.md lists the fields.
+    :param ledger: This plugin's entries (:class:`titan_core.planner.Ledger`): what it may read of the plan on
+        this rank and the terms it adds (docs/writing-plugins.md, "What your plugin costs").
+    :param estimate: The planner's layout model (:class:`titan_core.planner.Estimate`), for a technique that
+        changes where parameters, activations or micro-batches live: sharding, splitting, pipelining,
+        recomputation (docs/planner-internals.md). A plugin that only adds costs never needs it.
     :param config: The whole job config.
     :param plugin_config: This plugin's options.
     :param plan: The plan being estimated.
+    :param hardware: The accelerator profile the plan is priced on.
     """
 
 

@@ -9,8 +9,8 @@ from titan_freeze import freeze
 
 
 @hookimpl
-def estimate_costs(estimate, plugin_config, plan):
+def estimate_costs(ledger, plugin_config, plan):
     """freeze: a frozen linear keeps no input for its weight's gradient, and gradients and optimizer states cover
     the parameters that still train: both follow from tracing the frozen model."""
     convert = functools.partial(freeze, plugin_config=plugin_config, description=plan.model)
-    estimate.trace_conversions[f"freeze {plugin_config}"] = convert
+    ledger.convert_for_trace(f"freeze {plugin_config}", convert)

@@ -6,6 +6,6 @@ from titan_overrides.plugin import activation, swap_swiglu
 
 
 @hookimpl
-def estimate_costs(estimate, plugin_config, plan):
+def estimate_costs(ledger, plugin_config, plan):
     """overrides: the trace runs the swapped modules."""
-    estimate.trace_conversions["overrides"] = lambda model: swap_swiglu(model, plan.model, activation("eager"))
+    ledger.convert_for_trace("overrides", lambda model: swap_swiglu(model, plan.model, activation("eager")))
