@@ -115,7 +115,7 @@ def test_an_outsiders_terms_follow_the_busiest_micro_batchs_load_and_the_steps(t
     assert "copies to the expert ranks over dp_shard: 1.25 MiB per step" in done.stdout
 
 
-# An optimizer plugin as docs/planner-internals.md describes one: plain SGD, and the FLOPs it says its step runs.
+# An optimizer plugin as docs/writing-plugins.md describes one: plain SGD, and the FLOPs it says its step runs.
 MATRIX_OPTIMIZER = '''
 import torch
 from titan_core import hookimpl
@@ -132,9 +132,9 @@ from titan_core import hookimpl
 
 
 @hookimpl
-def estimate_costs(estimate, plugin_config):
+def estimate_costs(ledger, plugin_config):
     """matrixsgd: the matrix products its step runs, per rank."""
-    estimate.optimizer_flops = plugin_config.flops
+    ledger.add_flops(plugin_config.flops, "its step's products")
 '''
 
 

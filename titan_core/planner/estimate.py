@@ -144,15 +144,15 @@ class Estimate:
     the elementwise ops), ``bubble`` (fraction of the step a rank idles: pipeline schedules),
     ``dispatch_cost`` (the host's time per operator relative to eager PyTorch's: DTensor's sharding propagation
     multiplies it); what a plugin moves through device memory besides is a term of its own
-    (:meth:`add_traffic`: float8's casts). The core sets ``optimizer_bytes`` (bytes per parameter element its
+    (:meth:`add_traffic`: float8's casts), and so are the matrix products it runs besides the model's
+    (:meth:`add_flops`: Muon's Newton–Schulz). The core sets ``optimizer_bytes`` (bytes per parameter element its
     optimizer step moves) and ``optimizer_state_bytes`` (bytes per parameter element its optimizer keeps), both
     measured by stepping the job's own optimizer on one parameter; an optimizer plugin whose state depends on a
     parameter's shape (Muon for matrices, AdamW for the rest) sets the latter to its average in its
     ``estimate_costs``; ``optimizer_step_bytes`` (bytes its step holds at once on this rank beyond the states, a
     number or a function of the estimate: the core measures them on one parameter, by the group and by the
     largest tensor, and an optimizer plugin whose step holds otherwise, exchanging matrices, sets them), and
-    ``optimizer_flops`` (matrix-product FLOPs its step runs on this rank, a number or a function of the estimate:
-    Muon's Newton–Schulz, at the bf16 matmul rate), ``optimizer_operators`` (operators its step issues, a
+    ``optimizer_operators`` (operators its step issues, a
     number or a function of the estimate: the core counts them per parameter group and tensor). ``trained_whole``:
     elements of what trains that this rank keeps beyond its split share (a number or a function of the estimate:
     LoRA's factors that a split of their linears leaves whole; the core counts the rest from the traced model's
@@ -213,7 +213,6 @@ class Estimate:
     optimizer_bytes: float = 0.0
     optimizer_state_bytes: float = 8.0
     optimizer_step_bytes: float | Callable[[Estimate], float] = 0.0
-    optimizer_flops: float | Callable[[Estimate], float] = 0.0
     optimizer_operators: float | Callable[[Estimate], float] = 0.0
     trained_whole: float | Callable[[Estimate], float] = 0.0
     ranks: list[dict] = field(default_factory=list)
@@ -673,8 +672,7 @@ class Estimate:
         matmul = ((self.step_flops() + self.step_flops(frozen_too=True) * self.recomputed_fraction
                    + self.uneven_expert_flops())
                   / evaluated(self.matmul_speedup, self)
-                  + evaluated(self.optimizer_flops, self) + sum(evaluated(flops, self) for _, flops, _ in self.flops_terms)
-                  ) / (hardware.matmul_tflops() * 1e12)
+                  + sum(evaluated(flops, self) for _, flops, _ in self.flops_terms)) / (hardware.matmul_tflops() * 1e12)
         facts = self.facts
         produced = (sum(self.saved(i, self.expert_load) for i in self.blocks)
                     + (facts.outer_saved / self.outer_split if self.holds_outputs else 0.0))

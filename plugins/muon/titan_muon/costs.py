@@ -31,7 +31,7 @@ def estimate_costs(estimate, config, plugin_config, plan):
     dims = [dim for dim in (DP_REPLICATE, DP_SHARD, CP, TP) if plan.degree(dim) > 1]
     ranks = math.prod(plan.degree(dim) for dim in dims)  # the ranks a matrix's mesh spreads over
     work = sum(NewtonSchulz.cost_of(shape, plugin_config.ns_steps) for shape in matrices) / every
-    estimate.optimizer_flops = lambda e: e.held_params() * work / ranks
+    estimate.add_flops(lambda e: e.held_params() * work / ranks, "Newton–Schulz on this rank's matrices", "muon")
     result_bytes = FLOAT_DTYPES[plugin_config.ns_dtype].itemsize
     # The owners are chosen by work, not bytes: the rank that owns the most receives that much more.
     owned = [0] * ranks
