@@ -1,5 +1,5 @@
 """The planner against TorchTitan's published Llama 3.1 runs (benchmarks/llama3_h100_202412_torchtitan.md), and
-against published runs of Llama 3 8B and 70B on A100, H100, H200 and MI300X (sources at ``CARDS``).
+against published runs of Llama 3 8B and 70B on A100, H100, H200, MI300X and B200 (sources at ``CARDS``).
 
 Each row is the published job as titan-core overrides, planned on the one profile of the hardware they ran
 on (h100_sxm_96gb: H100 SXM with 96 GB of HBM2e, 8 per node, 400 Gb/s per GPU between nodes), with no
@@ -81,6 +81,12 @@ ROWS = [  # (table, row, overrides, published TPS/GPU, published memory GiB)
 # was compiled, which the compile plugin refuses under tensor parallel: planned eager; float8 with FSDP's bf16
 # all-gathers, their presets' default). TorchTitan's tensorwise float8 gathered sequence parallel's inputs in
 # float8 (Float8ColwiseParallel), titan-core's in bf16.
+# B200: pytorch/ao docs/source/workflows/training.md @36027d8, "Training e2e benchmarks on NVIDIA B200" (the same
+# table in torchao/prototype/mx_formats/README.md and torchtitan's mxfp8.md): Llama 3 8B on 8 B200s limited to 750 W
+# (ao@d8bb51f's wording), sequence 8192, batch 1 a GPU, FSDP 8, compile, per-op selective checkpointing, torchtitan
+# 6fc499f (August 2025: the loss compiled), median tokens/s/GPU and peak memory; bf16, float8 tensorwise (float8
+# all-gathers), rowwise, and MXFP8 with cuBLAS and RCEIL scales (torchao's mxfp8_cublas_rceil, titan-core's
+# mxfp8_rceil). Its mxfp8_cublas row (floor scales) has no titan-core recipe and is left out.
 # Memory is the peak reserved by the caching allocator, as TorchTitan logs it.
 # TorchTitan compiled its loss with its blocks (`training.compile`) until 2024-12-18 (e8977b0 turned that off: the
 # seeds' tables, 9dec370, and torchao's H100 rows of 2025-03-12 ran it eager) and again from 2025-04-02 (bbb1b61,
@@ -107,6 +113,12 @@ CARDS = [  # (card's profile, source and job, overrides, published TPS/GPU, publ
     ("mi300x", "torchao MI300X: 8B, 8 GPUs, float8 rowwise", job("8B", 8, 8192, 8, ["fsdp", "compile", "float8"],
                                                                   "plugins.float8.recipe=rowwise", LOSS_COMPILED),
      5891.0, 39.32),
+    *[("b200", f"torchao B200: 8B, 8 GPUs, {kind}", job("8B", 8, 8192, 8, ["fsdp", "compile", *extra], *flags,
+                                                          LOSS_COMPILED), tps, memory)
+      for kind, extra, flags, tps, memory in (
+          ("bf16", [], [], 8307.5, 33.71), ("float8 tensorwise", ["float8"], [FLOAT8], 10417.0, 33.38),
+          ("float8 rowwise", ["float8"], ["plugins.float8.recipe=rowwise"], 8640.5, 33.72),
+          ("MXFP8", ["float8"], ["plugins.float8.recipe=mxfp8_rceil"], 9642.0, 33.88))],
     ("h200", "torchtitan H200: 8B, 32 GPUs, float8", job("8B", 32, 8192, 64, ["fsdp", "compile", "float8"], FLOAT8,
                                                               LOSS_COMPILED), 10938, 47.96),
     ("h200", "torchtitan H200: 8B, 64 GPUs, float8", job("8B", 64, 8192, 128, ["fsdp", "compile", "float8"], FLOAT8,

@@ -63,12 +63,14 @@ _BY_PROFILE = {
                       0.396, -0.430),
     "mi300x": ErrorBand("4 published Llama 3 runs on MI300Xs, held out from the fit, bench/planner_held_out.py", 0.046,
                         -0.051, 0.437, 0.458),
+    "b200": ErrorBand("4 published Llama 3 runs on B200s at 750 W, held out from the fit, bench/planner_held_out.py",
+                      0.110, 0.112, 0.657, 0.795),
     # tests/test_planner_memory.py's 35 plans and pipeline ranks against torch's memory tracker (docs/planner.md), and
     # bench/parallel_step_time.py's 10 plans (one to eight workers), tokens/s as this profile prints them.
     "cpu-measured": ErrorBand("35 plans tracked on this CPU and 10 plans' step times, docs/planner.md", 0.008, -0.030,
                               0.67, 1.29),
 }
-# A GPU without published runs of its own (L40S, B200, GB200, a profile from a file) has no band: the other cards'
+# A GPU without published runs of its own (L40S, GB200, a profile from a file) has no band: the other cards'
 # errors say nothing of it (an A100 run once missed by -47% where every card's band said "worst -8%").
 _BY_DEVICE_TYPE = {
     # Any other CPU profile (one --calibrate wrote fits one process): the same tracked plans, and the tokens/s of

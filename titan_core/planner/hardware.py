@@ -5,8 +5,8 @@ training reaches, found by name or by the exact device name, and a profile of th
 (bf16, float8) that a training step's matmuls reach end to end on that card, kernels' efficiency and everything
 the step does between them. Each is set from one published run on the card, named beside it, and every other
 run of that card in ``bench/planner_vs_seeds.py`` is a prediction (docs/planner.md prints the errors). A card
-without a published run takes the H100's shares (the L40S, the B200 and the GB200: unchecked, and the plan says
-their expected error is unknown), and so do the H100 profiles, all set from the seeds' power-limited H100s: a
+without a published run takes the H100's shares (the L40S and the GB200: unchecked, and the plan says their
+expected error is unknown), and so do the H100 profiles, all set from the seeds' power-limited H100s: a
 full-power H100 SXM is likely planned slow.
 """
 
@@ -85,6 +85,9 @@ SHARES = {
     "a100": {"achievable": 0.64},
     # torchao's Llama 3 8B FSDP + compile runs on 8 MI300X, bf16 and float8 tensorwise (torchao/float8/README.md).
     "mi300x": {"achievable": 0.27, "fp8_achievable": 0.17},
+    # torchao's Llama 3 8B FSDP + compile runs on 8 B200s limited to 750 W, bf16 and float8 tensorwise (pytorch/ao
+    # docs/source/workflows/training.md): a B200 at its full 1,000 W is likely planned slow.
+    "b200": {"achievable": 0.24, "fp8_achievable": 0.17},
 }
 
 
