@@ -97,7 +97,7 @@ def estimate(config, plan: Plan, registry: Registry, hardware: Hardware, traced:
         result.optimizer_bytes, result.optimizer_state_bytes = optimizer.traffic, optimizer.state
         # The largest group and tensor as this rank keeps them (of what trains: a frozen model's adapters).
         result.optimizer_step_bytes = lambda e: optimizer.temporaries(
-            *(min(elements / (e.weight_split * e.state_shards), e.sharded_params() * e.trained_share)
+            *(min(elements / (e.weight_split * e.state_shards), e.trained_params())
               for elements in (e.facts.largest_role, e.facts.largest_parameter)))
         result.optimizer_operators = lambda e: optimizer.operators(e.facts.parameter_roles, e.facts.parameter_tensors)
         # The core's own collective: the step's trained tokens, summed over every rank before the first forward.

@@ -382,6 +382,11 @@ class Estimate:
         return ((trained / (self.weight_split * self.state_shards) + evaluated(self.trained_whole, self)) / kept
                 if kept else 0.0)
 
+    def trained_params(self) -> float:
+        """Elements of what this rank keeps (:meth:`sharded_params`) that train: what gradients and optimizer states
+        cover."""
+        return self.sharded_params() * self.trained_share
+
     def held_gathered(self) -> float:
         """Parameters of the parts this rank holds that it computes with, once gathered (what a sharder gathers
         and reduces)."""

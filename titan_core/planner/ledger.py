@@ -65,7 +65,7 @@ class Ledger:
     @property
     def trained_params(self) -> float:
         """Of :attr:`kept_params`, the elements that train: those with gradients and optimizer states."""
-        return self._estimate.sharded_params() * self._estimate.trained_share
+        return self._estimate.trained_params()
 
     # What the plugin adds -------------------------------------------------------------------------------------
 

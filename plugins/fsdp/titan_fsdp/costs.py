@@ -124,7 +124,7 @@ def _add_stream_buffers(estimate, plugin_config, schedule: _Schedule) -> None:
                         "the all-gathers' stream: a block and the output gathered", "fsdp", when="cached")
 
     def shards_not_made(e):
-        shards = 4 * e.sharded_params() * e.trained_share
+        shards = 4 * e.trained_params()
         return shards if schedule.reduced_once else max(0.0, shards - e.memory()["gradients"])
     estimate.add_memory("buffers", shards_not_made, "the reduce-scatters' stream: the gradient shards not made yet",
                         "fsdp", when="cached")

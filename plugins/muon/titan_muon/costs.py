@@ -48,7 +48,7 @@ def estimate_costs(estimate, config, plugin_config, plan):
         for the exchange (tensor parallel's split by input features), the exchange's sent and received buffers
         and, at a second level, what the first brought; or the orthogonalised updates and Newton–Schulz's
         working matrices; or those and AdamW's batched update of the other parameters."""
-        held = e.sharded_params() * e.trained_share
+        held = e.trained_params()
         matrix, moved = held * matrix_share, held * exchanged_share
         updates = 4 * matrix * update_copies
         orthogonalised = result_bytes * matrix + 3 * result_bytes * largest
