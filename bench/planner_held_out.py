@@ -44,6 +44,7 @@ SOURCES = {
     "torchao-mi300x": "torchao's float8 README (AMD, MI300X)",
     "tt-h200": "TorchTitan's H200 report (Jun 2025)",
     "torchao-b200": "torchao's training docs (B200 at 750 W, Aug 2025)",
+    "tt-deepep": "TorchTitan PR 2237's DeepEP README (B200, Jan 2026): its baseline",
 }
 H100_FAMILY = "h100"  # the H100 profiles share their shares
 ASYNC_GRID = (0.0, 0.25, 0.5, 0.75)
@@ -81,7 +82,8 @@ def source_of(name: str) -> str:
     for prefix, source in (("torchtitan A100", "tt-a100"), ("torchtitan H100: 405B, 128", "tt-405b"),
                            ("torchtitan H100", "tt-asynctp"), ("torchao H100", "torchao-h100"),
                            ("torchao MI300X", "torchao-mi300x"), ("torchtitan H200", "tt-h200"),
-                           ("torchao B200", "torchao-b200")):
+                           ("torchao B200", "torchao-b200"),
+                           ("torchtitan B200", "tt-deepep")):
         if name.startswith(prefix):
             return source
     raise ValueError(name)

@@ -1,5 +1,6 @@
 """The planner against TorchTitan's published Llama 3.1 runs (benchmarks/llama3_h100_202412_torchtitan.md), and
-against published runs of Llama 3 8B and 70B on A100, H100, H200, MI300X and B200 (sources at ``CARDS``).
+against published runs of Llama 3 8B and 70B on A100, H100, H200, MI300X and B200, and of Qwen3 30B-A3B on B200
+(sources at ``CARDS``).
 
 Each row is the published job as titan-core overrides, planned on the one profile of the hardware they ran
 on (h100_sxm_96gb: H100 SXM with 96 GB of HBM2e, 8 per node, 400 Gb/s per GPU between nodes), with no
@@ -119,6 +120,13 @@ CARDS = [  # (card's profile, source and job, overrides, published TPS/GPU, publ
           ("bf16", [], [], 8307.5, 33.71), ("float8 tensorwise", ["float8"], [FLOAT8], 10417.0, 33.38),
           ("float8 rowwise", ["float8"], ["plugins.float8.recipe=rowwise"], 8640.5, 33.72),
           ("MXFP8", ["float8"], ["plugins.float8.recipe=mxfp8_rceil"], 9642.0, 33.88))],
+    # TorchTitan's default expert parallelism beside DeepEP's (PR 2237, torchtitan@1ab3be4
+    # torchtitan/distributed/deepep/README.md: "14,796 vs 9,930 tok/s/GPU at EP=8" on 8 B200s), the job its
+    # qwen3_30b_a3b_with_deepep.toml runs with flavor 30B-A3B: routing forced even, full checkpointing, model and loss
+    # compiled, 8 sequences of 4,096 a rank. Its memory is published for DeepEP's runs only.
+    ("b200", "torchtitan B200: Qwen3 30B-A3B, 8 GPUs, FSDP 8, EP 8",
+     job("qwen3_30B_A3B", 8, 4096, 64, ["fsdp", "ep", "compile"], "plugins.ep.degree=8", LOSS_COMPILED, ac="full"),
+     9930, None),
     ("h200", "torchtitan H200: 8B, 32 GPUs, float8", job("8B", 32, 8192, 64, ["fsdp", "compile", "float8"], FLOAT8,
                                                               LOSS_COMPILED), 10938, 47.96),
     ("h200", "torchtitan H200: 8B, 64 GPUs, float8", job("8B", 64, 8192, 128, ["fsdp", "compile", "float8"], FLOAT8,

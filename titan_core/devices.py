@@ -52,10 +52,11 @@ DATASHEETS = (
               2039.0, 300.0, 25.0, compute_capability=(8, 0)),
     Datasheet("l40s", r"NVIDIA L40S", 362.1, 733.0, 44.4, 864.0, 32.0, 25.0, compute_capability=(8, 9)),
     Datasheet("mi300x", r"AMD Instinct MI300X", 1307.4, 2614.9, 191.5, 5300.0, 448.0),
-    # NVIDIA's Blackwell datasheets (HGX B200: 180 GB; GB200 NVL72, per GPU: 186 GB, its 72 GPUs one NVLink domain),
-    # the memory as the datasheet's GB in GiB (the driver may report a little more); 1.8 TB/s of NVLink 5 per GPU
-    # both ways, 800 Gb/s of network per GPU.
-    Datasheet("b200", r"NVIDIA B200", 2250.0, 4500.0, 167.6, 7700.0, 900.0, 100.0, chip=GB100,
+    # NVIDIA's Blackwell datasheets (HGX B200: 180 GB; GB200 NVL72, per GPU: 186 GB, its 72 GPUs one NVLink domain);
+    # 1.8 TB/s of NVLink 5 per GPU both ways, 800 Gb/s of network per GPU. Memory as torch sees it: a B200 run of
+    # TorchTitan's reserved 167.93 GiB, "94.15%" of the device (PR 2237's DeepEP README), so 178.4 GiB where the
+    # datasheet's 180 GB is 167.6; the GB200's, with no such log read, is its datasheet's GB in GiB.
+    Datasheet("b200", r"NVIDIA B200", 2250.0, 4500.0, 178.4, 7700.0, 900.0, 100.0, chip=GB100,
               compute_capability=(10, 0)),
     Datasheet("gb200", r"NVIDIA GB200", 2500.0, 5000.0, 173.2, 8000.0, 900.0, 100.0, devices_per_node=72,
               chip=GB100, compute_capability=(10, 0)),

@@ -50,7 +50,7 @@ def _spread(mean: float, worst: float) -> str:
     return f"mean {mean:.0%}, worst {worst:+.0%}"
 
 
-# bench/planner_held_out.py, 2026-12-07: each published run predicted with the constants fitted on the other
+# bench/planner_held_out.py, 2026-12-07 (50 rows): each published run predicted with the constants fitted on the other
 # sources only (leave one source out: a card whose only source is left out is planned with the H100's shares, as a
 # card without runs is). Memory has no constant fitted on published runs: its error is bench/planner_vs_seeds.py's.
 _H100 = ErrorBand("36 published Llama 3 runs on H100s (21 with memory), each held out from the fit, "
@@ -63,8 +63,8 @@ _BY_PROFILE = {
                       0.396, -0.430),
     "mi300x": ErrorBand("4 published Llama 3 runs on MI300Xs, held out from the fit, bench/planner_held_out.py", 0.046,
                         -0.051, 0.437, 0.458),
-    "b200": ErrorBand("4 published Llama 3 runs on B200s at 750 W, held out from the fit, bench/planner_held_out.py",
-                      0.110, 0.112, 0.657, 0.795),
+    "b200": ErrorBand("5 published runs on B200s (Llama 3 8B at 750 W, 4 with memory; Qwen3 30B-A3B), each source held "
+                      "out from the fit, bench/planner_held_out.py", 0.110, 0.112, 0.162, -0.212),
     # tests/test_planner_memory.py's 35 plans and pipeline ranks against torch's memory tracker (docs/planner.md), and
     # bench/parallel_step_time.py's 10 plans (one to eight workers), tokens/s as this profile prints them.
     "cpu-measured": ErrorBand("35 plans tracked on this CPU and 10 plans' step times, docs/planner.md", 0.008, -0.030,
