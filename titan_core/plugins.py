@@ -211,6 +211,13 @@ class Hooks:
         owner = self.registry.owner(hook_name)
         return None if owner is None else self.call(owner, hook_name, **kwargs)
 
+    def converted_model(self, config) -> torch.nn.Module:
+        """The whole model, built on meta and converted by every plugin (what trains is settled from here on)."""
+        with torch.device("meta"):
+            model = self.first("build_model", description=self.plan.model)
+        self.each("convert_modules", model=model, config=config)
+        return model
+
     def implementing(self, hook_name: str) -> list[str]:
         """The plugins, in plan order, that implement ``hook_name``."""
         return [name for name in self.order if self.registry.implements(name, hook_name)]

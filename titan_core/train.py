@@ -38,20 +38,12 @@ from titan_core.train_state import TrainState
 log = logging.getLogger("titan_core")
 
 
-def converted_model(hooks: Hooks, config) -> torch.nn.Module:
-    """The whole model, built on meta and converted by every plugin (what trains is settled from here on)."""
-    with torch.device("meta"):
-        model = hooks.first("build_model", description=hooks.plan.model)
-    hooks.each("convert_modules", model=model, config=config)
-    return model
-
-
 def build_model_parts(hooks: Hooks, mesh: ParallelMesh, config, device: torch.device,
                       model: torch.nn.Module | None = None) -> list[torch.nn.Module]:
-    """This rank's model parts from the :func:`converted_model` (``model``, or built here): transformed by every
+    """This rank's model parts from :meth:`Hooks.converted_model` (``model``, or built here): transformed by every
     plugin in plan order, materialized on ``device``, initialized shard by shard, then handed to ``after_init``."""
     plan = hooks.plan
-    model_parts = [converted_model(hooks, config) if model is None else model]
+    model_parts = [hooks.converted_model(config) if model is None else model]
     for plugin in plan.plugins:
         if plugin.declaration.stage is not None:
             model_parts = hooks.call(plugin.name, "apply_parallelism", model_parts=model_parts, mesh=mesh,
@@ -162,7 +154,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         mesh = ParallelMesh(plan.mesh_shape, device.type, plan.borrowed())
         set_collective_timeout(config.launch.init_timeout_s)
-        model = converted_model(hooks, config)
+        model = hooks.converted_model(config)
         flops = trained_flops_per_token(model, plan.model, training.seq_len)  # the whole model's, before any split
         model_parts = build_model_parts(hooks, mesh, config, device, model)
         local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel()

@@ -22,7 +22,7 @@ from titan_core.mesh import device_kind
 from titan_core.parameter_roles import check_param_group_rules
 from titan_core.plan import CP, TP, Plan
 from titan_core.job.schema import core_defaults, plugin_defaults, show
-from titan_core.plugins import Registry
+from titan_core.plugins import Hooks, Registry
 
 
 GIB = 2**30
@@ -170,6 +170,15 @@ def check_memory(config, plan: Plan, registry: Registry) -> None:
                           f"{memory / GIB:.1f} GiB of {where}",
                           "shorten training.seq_len or split it over more ranks (cp), or set "
                           "launch.check_memory=false to launch anyway")
+
+
+def check_conversions(config, plan: Plan, registry: Registry) -> None:
+    """Where two or more plugins convert modules, each may refuse what another made (fused_swiglu float8's linears):
+    the conversions run here on the meta model first, so that a refusal comes before launch, not from every worker.
+    One converter alone validates its options in ``validate``; its conversion is not run twice."""
+    hooks = Hooks(registry, plan, config)
+    if sum(registry.implements(name, "convert_modules") for name in hooks.order) >= 2:
+        hooks.converted_model(config)
 
 
 def check_optimizer_options(config, plan: Plan, registry: Registry) -> None:

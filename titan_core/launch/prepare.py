@@ -8,7 +8,8 @@ import torch
 
 from titan_core.data import load_tokenizer
 from titan_core.errors import ConfigError
-from titan_core.job.checks import check_job, check_memory, check_optimizer_options, check_options_that_act
+from titan_core.job.checks import (check_conversions, check_job, check_memory, check_optimizer_options,
+                                   check_options_that_act)
 from titan_core.job.model_folder import apply_model_folder, check_weights_loader
 from titan_core.job.run_dir import under_torchrun
 from titan_core.job.schema import check_config_kinds
@@ -50,5 +51,6 @@ def prepare(config, nodes: Nodes) -> Plan:
     check_memory(config, plan, registry)
     check_optimizer_options(config, plan, registry)
     check_options_that_act(config, plan)
+    check_conversions(config, plan, registry)
     check_devices(config.launch, workers_per_node(plan.world_size, nodes))
     return plan
