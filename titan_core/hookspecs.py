@@ -142,10 +142,10 @@ def convert_modules(model: nn.Module, config: DictConfig, plugin_config: DictCon
     Runs once per worker on the meta model after ``build_model`` and before any parallelism, in every plugin
     implementing it, in plan order: each sees the modules the previous ones converted, and the parallelism applied later
     sees the result. Where two or more plugins convert, the launcher first runs them all once on a meta model of its
-    own, so that one refusing what another made (:class:`ConfigError`) fails before launch: change only ``model``. Change ``model`` in place, keeping parameter names where the parameters are the same
-    (``titan_core.replace``). A conversion whose linears compute on a narrower format may mark them for tensor
-    parallel's gathers (``titan_core.cast_gathers``); one computing beside a linear drops that mark
-    (``titan_core.keep_precision``).
+    own, so that one refusing what another made (:class:`ConfigError`) fails before launch. Change only ``model``, in
+    place, keeping parameter names where the parameters are the same (``titan_core.replace``). A conversion whose
+    linears compute on a narrower format may mark them for tensor parallel's gathers (``titan_core.cast_gathers``);
+    one computing beside a linear drops that mark (``titan_core.keep_precision``).
 
     :param model: The whole model, on the meta device.
     :param config: The whole job config.

@@ -173,11 +173,11 @@ def check_memory(config, plan: Plan, registry: Registry) -> None:
 
 
 def check_conversions(config, plan: Plan, registry: Registry) -> None:
-    """Where two or more plugins convert modules, each may refuse what another made (fused_swiglu float8's linears):
-    the conversions run here on the meta model first, so that a refusal comes before launch, not from every worker.
-    One converter alone validates its options in ``validate``; its conversion is not run twice."""
+    """Where two or more plugins convert modules, each may refuse what another made (fused_swiglu refuses float8's
+    linears): the conversions run here on the meta model first, so that a refusal comes before launch, not from every
+    worker. One converter alone validates its options in ``validate``; its conversion is not run twice."""
     hooks = Hooks(registry, plan, config)
-    if sum(registry.implements(name, "convert_modules") for name in hooks.order) >= 2:
+    if len(hooks.implementing("convert_modules")) >= 2:
         hooks.converted_model(config)
 
 
