@@ -51,7 +51,7 @@ def test_what_trains_is_counted_from_the_converted_models_requires_grad():
     registry = Registry(experts)
     adapted_experts = estimate(experts, build_plan(experts, registry, None, 256), registry, CPU)
     adapters = 3 * 8 * 4 * (128 + 96) + 4 * 4 * (128 + 96 + 96 + 128)
-    assert adapted_experts.trained_share * adapted_experts.sharded_params() == adapters
+    assert adapted_experts.trained_params() == adapters
     # Traced as converted: the model's facts count the adapters among its parameters.
     assert adapted.facts.params - adapted.facts_in(adapted.compute_dtype, {}).params == 16_384
 

@@ -32,7 +32,7 @@ MEASURE = textwrap.dedent("""
         return [dict(memory=rank.memory(), seconds=rank.step_seconds(), blocks=rank.blocks,
                      saved=sum(rank.facts.block_saved[i] for i in rank.blocks), tokens=rank.microbatch_tokens,
                      microbatches=rank.microbatches_per_step(), held=rank.held_params(),
-                     trained=rank.sharded_params() * rank.trained_share, stepping=rank.memory() == rank.step_peak(),
+                     trained=rank.trained_params(), stepping=rank.memory() == rank.step_peak(),
                      matmul_tflops=rank.hardware.matmul_tflops(), memory_gbps=rank.hardware.memory_gbps,
                      terms={what: evaluated(nbytes, rank) for _, what, nbytes, plugin, _ in rank.memory_terms
                             if plugin == "offload"},

@@ -5,6 +5,7 @@ with the input before any worker starts."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -25,6 +26,7 @@ from titan_core.job.schema import core_defaults, plugin_defaults, show
 from titan_core.plugins import Hooks, Registry
 
 
+log = logging.getLogger("titan_core")
 GIB = 2**30
 
 
@@ -173,12 +175,19 @@ def check_memory(config, plan: Plan, registry: Registry) -> None:
 
 
 def check_conversions(config, plan: Plan, registry: Registry) -> None:
-    """Where two or more plugins convert modules, each may refuse what another made (fused_swiglu refuses float8's
-    linears): the conversions run here on the meta model first, so that a refusal comes before launch, not from every
-    worker. One converter alone validates its options in ``validate``; its conversion is not run twice."""
+    """Where two or more plugins convert modules, each may refuse what another made (an override refusing linears
+    another plugin converted): the conversions run here on the meta model first, so that a refusal comes before
+    launch, not from every worker. One converter alone validates its options in ``validate``; its conversion is not
+    run twice. Any other failure is left to the workers, which meet it again and report it in their one line."""
     hooks = Hooks(registry, plan, config)
-    if len(hooks.implementing("convert_modules")) >= 2:
+    if len(hooks.implementing("convert_modules")) < 2:
+        return
+    try:
         hooks.converted_model(config)
+    except ConfigError:
+        raise
+    except Exception:  # a plugin's bug, not a refusal: a traceback here would skip the workers' one-line report
+        log.debug("a module conversion failed before launch; the workers will report it", exc_info=True)
 
 
 def check_optimizer_options(config, plan: Plan, registry: Registry) -> None:

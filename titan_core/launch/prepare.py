@@ -51,6 +51,6 @@ def prepare(config, nodes: Nodes) -> Plan:
     check_memory(config, plan, registry)
     check_optimizer_options(config, plan, registry)
     check_options_that_act(config, plan)
-    check_conversions(config, plan, registry)
     check_devices(config.launch, workers_per_node(plan.world_size, nodes))
+    check_conversions(config, plan, registry)  # last: it builds the model and runs every plugin's conversion
     return plan

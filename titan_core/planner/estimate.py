@@ -371,21 +371,20 @@ class Estimate:
         gradients, once reduced, cover."""
         return self.held_params() / (self.weight_split * self.state_shards)
 
-    @property
-    def trained_share(self) -> float:
-        """Of the parameters this rank keeps (:meth:`sharded_params`), the share that trains: gradients, optimizer
-        states and the optimizer's traffic exist for those only. Counted per block from the traced model (a
-        pipeline rank holding only frozen blocks trains nothing), plus ``trained_whole``."""
-        facts, kept = self.facts, self.sharded_params()
+    def trained_params(self) -> float:
+        """Elements of what this rank keeps (:meth:`sharded_params`) that train: what gradients, optimizer states and
+        the optimizer's traffic cover. Counted per block from the traced model (a pipeline rank holding only frozen
+        blocks trains nothing), plus ``trained_whole``."""
+        facts = self.facts
         trained = (sum(facts.block_trained[i] for i in self.blocks) + facts.other_trained
                    + facts.inputs_trained * self.holds_inputs + facts.outputs_trained * self.holds_outputs)
-        return ((trained / (self.weight_split * self.state_shards) + evaluated(self.trained_whole, self)) / kept
-                if kept else 0.0)
+        return trained / (self.weight_split * self.state_shards) + evaluated(self.trained_whole, self)
 
-    def trained_params(self) -> float:
-        """Elements of what this rank keeps (:meth:`sharded_params`) that train: what gradients and optimizer states
-        cover."""
-        return self.sharded_params() * self.trained_share
+    @property
+    def trained_share(self) -> float:
+        """Of the parameters this rank keeps (:meth:`sharded_params`), the share that trains: :meth:`trained_params`."""
+        kept = self.sharded_params()
+        return self.trained_params() / kept if kept else 0.0
 
     def held_gathered(self) -> float:
         """Parameters of the parts this rank holds that it computes with, once gathered (what a sharder gathers
@@ -685,8 +684,7 @@ class Estimate:
         traffic = sum(evaluated(nbytes, self) for _, nbytes, _ in self.traffic_terms)
         elementwise = ((self.elementwise_passes * self.fusion * produced * tokens + traffic)
                        / (hardware.memory_gbps * 1e9))
-        optimizer = (self.optimizer_bytes * self.held_params() * self.trained_share
-                     / (self.weight_split * self.state_shards) / (hardware.memory_gbps * 1e9))
+        optimizer = self.optimizer_bytes * self.trained_params() / (hardware.memory_gbps * 1e9)
         host = self.host_seconds()
         hidden = sum(self.collective_seconds(c) for c in self.collectives if c.overlapped)
         waited = sum(self.collective_seconds(c) for c in self.collectives if not c.overlapped)

@@ -114,12 +114,36 @@ def test_what_cannot_run_exactly_is_refused_before_launch(overrides, field, said
     assert error.field == field and said in str(error), error
 
 
-@pytest.mark.parametrize("converter, made", [("float8", "Float8Linear"), ("lora", "Linear carrying lora_A")])
+@pytest.mark.parametrize("converter, made", [("float8", "Float8Linear"), ("lora", "Linear carrying lora_A"),
+                                             ("float8,lora", "Float8Linear")])
 def test_linears_another_plugin_converted_are_refused_before_launch(converter, made):
     """float8's and LoRA's linears would be bypassed by the fused product: refused by the launcher's own check, which
     runs the conversions on the meta model when two plugins convert (before, each worker refused it)."""
     error = config_error(*TINY, f"+plugins=[{converter},overrides]")
     assert error.field == "plugins.overrides.modules" and f"another plugin made one a {made}" in str(error), error
+
+
+# A converter that fails with an ordinary exception, not a refusal.
+BROKEN_CONVERSION = """
+from titan_core import hookimpl
+
+
+@hookimpl
+def convert_modules(model):
+    raise RuntimeError("brokenconv failed on purpose")
+"""
+
+
+@pytest.mark.slow
+def test_a_conversion_failing_otherwise_is_reported_in_the_runs_one_line(tmp_path):
+    """Beside another converter, a conversion failing with anything but a ConfigError is not a traceback from the
+    launcher's check of the conversions: the run starts, and its one line names the failure."""
+    env = install_plugins(tmp_path / "site", {"brokenconv": (BROKEN_CONVERSION, "")}, "brokenconv-plugin")
+    result = run_job([*TINY, "+plugins=[brokenconv,overrides]"], tmp_path / "run", expect_success=False, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("titan-core:")]
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert "titan-core: run dir" in result.stdout, result.stdout  # printed once the launcher's checks passed
+    assert len(lines) == 1 and "brokenconv failed on purpose" in lines[0], result.stderr
 
 
 def documented_override() -> str:
